@@ -1,0 +1,244 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP): one call saves everything.
+
+Layout under ``<run_dir>/checkpoints/``::
+
+    step_00000010/        committed: complete on every rank (has DCP's .metadata)
+    step_00000015.tmp/    being written, or left by a crash: never loaded, removed on start
+
+A checkpoint is written under ``.tmp`` and renamed by rank 0 only after DCP's finish step,
+which runs after every rank's writes, so a directory without ``.tmp`` is always complete.
+One DCP save holds the model, the optimizer, the LR schedule, the train state, the data
+loader's global position and each rank's RNG state. Model and optimizer go through
+``get_state_dict``/``set_state_dict`` as sharded DTensors keyed by the unwrapped module's
+names, so a checkpoint loads at another world size or parallel layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the directory and the mismatch."""
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    interval: int = 500
+    """Save every this many optimizer steps (and always at the end of training)."""
+    keep: int = 3
+    """Keep the newest this many complete checkpoints (0: keep all)."""
+    async_save: bool = False
+    """Write checkpoints in a background thread while training goes on (state staged to CPU first)."""
+    load_from: str = ""
+    """Resume from this checkpoint directory instead of the newest complete one in the run directory."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Counters saved with every checkpoint."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    tokens_seen: int = 0
+    """Training tokens consumed (global)."""
+
+
+class AppState(Stateful):
+    """Everything a run needs to continue, as one DCP Stateful.
+
+    model/optimizer: sharded state from get_state_dict (no wrapper prefixes); scheduler:
+    LR scheduler state; train: TrainState; data: the loader's DataState; rng: this rank's
+    CPU (and CUDA) generator states, restored only at the same world size.
+    """
+
+    def __init__(self, model, optimizer, scheduler, train_state: TrainState, data_state, rank: int):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_state, self.data_state, self.rank = train_state, data_state, rank
+
+    def _rng(self) -> dict:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return rng
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "train": dataclasses.asdict(self.train_state),
+            "data": dataclasses.asdict(self.data_state),
+            f"rng_rank{self.rank}": self._rng(),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        for k, v in sd["train"].items():
+            setattr(self.train_state, k, v)
+        for k, v in sd["data"].items():
+            setattr(self.data_state, k, v)
+        rng = sd.get(f"rng_rank{self.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def complete_checkpoints(root: str) -> list[tuple[int, str]]:
+    """Committed checkpoints under root as [(step, path)], oldest first ('.tmp' ones excluded)."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isfile(os.path.join(path, ".metadata")):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def read_metadata(path: str):
+    """DCP metadata of a checkpoint; raises CheckpointError naming the file if unreadable."""
+    meta_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta_file):
+        raise CheckpointError(f"checkpoint '{path}': no .metadata file; it is not a complete DCP checkpoint")
+    try:
+        return dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # pickle or IO errors of any kind
+        raise CheckpointError(f"checkpoint '{path}': cannot read '{meta_file}': {e}") from e
+
+
+def check_compatible(path: str, model_shapes: dict[str, torch.Size]) -> None:
+    """Compare a checkpoint's model tensors with the model's full shapes before loading.
+
+    Raises CheckpointError listing missing, unexpected and mismatched keys (with shapes).
+    """
+    meta = read_metadata(path)
+    saved = {k[len("app.model."):]: tuple(v.size) for k, v in meta.state_dict_metadata.items()
+             if k.startswith("app.model.") and hasattr(v, "size")}
+    if not saved:
+        raise CheckpointError(f"checkpoint '{path}' holds no model weights (keys app.model.*)")
+    want = {k: tuple(s) for k, s in model_shapes.items()}
+    problems = [f"{k}: checkpoint {saved[k]} vs model {want[k]}" for k in sorted(want) if k in saved and saved[k] != want[k]]
+    problems += [f"{k}: missing from checkpoint" for k in sorted(set(want) - set(saved))]
+    problems += [f"{k}: not in model" for k in sorted(set(saved) - set(want))]
+    if problems:
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        raise CheckpointError(
+            f"checkpoint '{path}' was saved from another model ({shown}); "
+            f"use the model config it was trained with, or another run directory"
+        )
+
+
+class Checkpointer:
+    """Saves and finds checkpoints of one run; every rank holds one.
+
+    save() is collective (all ranks call it at the same step). With async_save the write
+    runs in a background thread on a dedicated gloo group; at most one save is in flight,
+    and rank 0 commits it (rename, then keep-k pruning) once DCP reports it finished.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: str, rank: int):
+        self.cfg = cfg
+        self.root = os.path.join(run_dir, "checkpoints")
+        self.rank = rank
+        self._pending: tuple[Future, str, str] | None = None
+        self._last_step = -1  # the same on every rank, unlike a directory listing during a commit
+        self._async_group = dist.new_group(backend="gloo") if cfg.async_save else None
+
+    def clean_partial(self) -> None:
+        """Remove '.tmp' directories left by a crash (rank 0; call before the first save)."""
+        if self.rank != 0 or not os.path.isdir(self.root):
+            return
+        for name in os.listdir(self.root):
+            if name.endswith(".tmp"):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def resume_path(self) -> str | None:
+        """The checkpoint to resume from: checkpoint.load_from, else the newest complete one, else None.
+
+        Raises CheckpointError if load_from is given but is not a complete checkpoint.
+        """
+        if self.cfg.load_from:
+            read_metadata(self.cfg.load_from)
+            return self.cfg.load_from
+        found = complete_checkpoints(self.root)
+        return found[-1][1] if found else None
+
+    def load(self, path: str, state: AppState) -> None:
+        """Load path into state in place (collective). The caller checks compatibility first."""
+        target: Stateful = state
+        # Per-rank RNG only when this rank existed in the saving run.
+        if not any(k.startswith(f"app.rng_rank{state.rank}.") for k in read_metadata(path).state_dict_metadata):
+            target = _WithoutRng(state)
+        dcp.load({"app": target}, checkpoint_id=path)
+        self._last_step = state.train_state.step
+
+    def save(self, step: int, state: AppState) -> None:
+        """Write a checkpoint for step (collective); commit it at once or, async, when done."""
+        if step == self._last_step:
+            return  # e.g. the final save right after an interval save
+        self.wait()
+        self._last_step = step
+        os.makedirs(self.root, exist_ok=True)
+        final = step_dir(self.root, step)
+        tmp = final + ".tmp"
+        if self.cfg.async_save:
+            fut = dcp.async_save({"app": state}, checkpoint_id=tmp, process_group=self._async_group)
+            self._pending = (fut, tmp, final)
+        else:
+            dcp.save({"app": state}, checkpoint_id=tmp)
+            self._commit(tmp, final)
+
+    def poll(self) -> None:
+        """Commit a finished asynchronous save without waiting for an unfinished one."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the in-flight asynchronous save (if any) is written, then commit it."""
+        if self._pending is None:
+            return
+        fut, tmp, final = self._pending
+        self._pending = None
+        fut.result()
+        self._commit(tmp, final)
+
+    def _commit(self, tmp: str, final: str) -> None:
+        if self.rank != 0:
+            return
+        os.replace(tmp, final)
+        if self.cfg.keep > 0:
+            for _, old in complete_checkpoints(self.root)[:-self.cfg.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+class _WithoutRng(Stateful):
+    """An AppState view whose state_dict leaves out the RNG entry (for a rank the saver lacked)."""
+
+    def __init__(self, inner: AppState):
+        self.inner = inner
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in self.inner.state_dict().items() if not k.startswith("rng_rank")}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.inner.load_state_dict(sd)

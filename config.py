@@ -1,0 +1,231 @@
+"""Nested dataclass configs from a TOML file plus ``--section.field value`` overrides.
+
+Each module owns its config dataclass and documents a field with a string literal right
+after it (as attribute docstrings); those strings are the ``--help`` text. Errors name the
+key and suggest the nearest valid one. Nothing here knows about training.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import os
+import sys
+import textwrap
+import tomllib
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key and the fix."""
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: {field name: the string literal after it}."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _suggest(name: str, choices) -> str:
+    near = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean '{near[0]}'?" if near else f"; valid: {', '.join(sorted(choices))}"
+
+
+def _convert(key: str, value: Any, typ) -> Any:
+    """Coerce a TOML or command-line value to the field's type; raise ConfigError if it can't."""
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        args = typing.get_args(typ)
+        if isinstance(items, (list, tuple)) and len(items) == len(args):
+            return tuple(_convert(key, v, t) for v, t in zip(items, args))
+    raise ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def build(root_cls, sections: dict[str, dict], presets: dict[str, dict[str, dict]] | None = None):
+    """Build root_cls from {section: {field: value}}; raises ConfigError on unknown keys or bad types.
+
+    A section may name a preset ('preset = "debug"') when presets[section] has one: its
+    values apply first, explicit keys override them.
+    """
+    presets = presets or {}
+    hints = _hints(root_cls)
+    kwargs = {}
+    top = {f.name: f for f in dataclasses.fields(root_cls)}
+    for name, value in sections.items():
+        if name not in top:
+            raise ConfigError(f"unknown config section or key '{name}'{_suggest(name, top)}")
+        if not dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _convert(name, value, hints[name])
+    for name, f in top.items():
+        cls = hints[name]
+        if not dataclasses.is_dataclass(cls):
+            continue
+        values = dict(sections.get(name, {}))
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{name}' must be a section ([{name}]), got {values!r}")
+        merged: dict[str, Any] = {}
+        preset = values.pop("preset", None)
+        if preset is not None:
+            table = presets.get(name, {})
+            if preset not in table:
+                raise ConfigError(f"{name}.preset: unknown preset '{preset}'{_suggest(preset, table)}")
+            merged.update(table[preset])
+        merged.update(values)
+        fields = _hints(cls)
+        for key in merged:
+            if key not in fields:
+                raise ConfigError(f"unknown config key '{name}.{key}'{_suggest(key, fields)}")
+        try:
+            kwargs[name] = cls(**{k: _convert(f"{name}.{k}", v, fields[k]) for k, v in merged.items()})
+        except ConfigError:
+            raise
+        except ValueError as e:  # a config's own validation
+            raise ConfigError(str(e)) from e
+    return root_cls(**kwargs)
+
+
+def parse_args(root_cls, argv: list[str] | None, presets=None, description: str = ""):
+    """Parse ``--config FILE.toml`` and ``--section.field value`` (or ``=value``) into root_cls.
+
+    ``--help`` prints every field with its type, default and doc, then exits 0.
+    Raises ConfigError for an unreadable file, an unknown key or a bad value.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text(root_cls, description))
+        raise SystemExit(0)
+    sections: dict[str, Any] = {}
+    pairs = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.field value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"--{key} needs a value")
+            value = argv[i + 1]
+            i += 1
+        pairs.append((key, value))
+        i += 1
+    for key, value in pairs:
+        if key == "config":
+            try:
+                with open(value, "rb") as f:
+                    loaded = tomllib.load(f)
+            except OSError as e:
+                raise ConfigError(f"--config: cannot read '{value}': {e.strerror}") from e
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"--config: '{value}' is not valid TOML: {e}") from e
+            for sec, vals in loaded.items():
+                if isinstance(vals, dict) and isinstance(sections.get(sec), dict):
+                    sections[sec].update(vals)
+                else:
+                    sections[sec] = dict(vals) if isinstance(vals, dict) else vals
+    for key, value in pairs:
+        if key == "config":
+            continue
+        sec, dot, name = key.partition(".")
+        if dot:
+            sections.setdefault(sec, {})
+            if not isinstance(sections[sec], dict):
+                raise ConfigError(f"--{key}: '{sec}' is not a section")
+            sections[sec][name] = value
+        else:
+            sections[key] = value
+    return build(root_cls, sections, presets)
+
+
+def help_text(root_cls, description: str = "") -> str:
+    """Every field of root_cls as '--section.field TYPE (default X): doc'."""
+    lines = [description, "", "usage: --config FILE.toml [--section.field VALUE ...]", ""]
+    hints = _hints(root_cls)
+    top_docs = field_docs(root_cls)
+    for f in dataclasses.fields(root_cls):
+        cls = hints[f.name]
+        if not dataclasses.is_dataclass(cls):
+            lines.append(f"  --{f.name} {getattr(cls, '__name__', cls)} (default {f.default!r}): {top_docs.get(f.name, '')}")
+            continue
+        lines.append(f"[{f.name}] {top_docs.get(f.name, '')}")
+        docs = field_docs(cls)
+        for sub in dataclasses.fields(cls):
+            typ = _hints(cls)[sub.name]
+            lines.append(f"  --{f.name}.{sub.name} {getattr(typ, '__name__', str(typ))} "
+                         f"(default {sub.default!r}): {docs.get(sub.name, '')}")
+    return "\n".join(lines)
+
+
+def to_toml(cfg) -> str:
+    """The resolved config as TOML that parse_args reads back (--config)."""
+    out_top, out_sections = [], []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out_sections.append(f"\n[{f.name}]")
+            for sub in dataclasses.fields(value):
+                out_sections.append(f"{sub.name} = {_toml_value(getattr(value, sub.name))}")
+        else:
+            out_top.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(out_top + out_sections) + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def write_resolved(cfg, path: str) -> None:
+    """Write to_toml(cfg) to path atomically."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_toml(cfg))
+    os.replace(tmp, path)

@@ -1,0 +1,382 @@
+"""Text in, packed token sequences out: tokenizer, sources, packing, rank slicing, resume state.
+
+Pipeline: documents (Hugging Face ``datasets``, read as a stream: a hub id, local
+txt/jsonl/parquet files or globs, or the offline default ``stdlib``, the running
+interpreter's standard-library sources) -> byte-level BPE ids (Hugging Face ``tokenizers``) -> one ``[EOT]`` after every
+document -> one flat token stream -> windows of ``seq_len + 1`` tokens with stride
+``seq_len`` (inputs ``w[:-1]``, labels ``w[1:]``), so no padding is ever trained on and
+every token after the first is a target exactly once per epoch. Only the stream's last
+partial window (fewer than ``seq_len`` tokens) is left out.
+
+Determinism across world sizes: the loader keeps one global sample cursor. The global
+batch of step k is samples ``[k*B, (k+1)*B)`` of the epoch's seeded permutation, whatever
+the world size; data-parallel rank r takes the r-th contiguous slice. The cursor is the
+only state a checkpoint needs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import sysconfig
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+SPECIAL_TOKENS = ("[PAD]", "[BOT]", "[EOT]")  # the source document's special tokens
+EOT = "[EOT]"
+
+
+class DataError(ValueError):
+    """Bad data input: the message names the field or file and the fix."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    dataset: str = "stdlib"
+    """'stdlib' (offline: this Python's standard-library sources), a local file, folder or glob (.txt, .jsonl/.json, .parquet), or a Hugging Face hub id."""
+    dataset_config: str = ""
+    """Hub dataset configuration name, e.g. 'sample-10BT' for HuggingFaceFW/fineweb."""
+    split: str = "train"
+    """Split of a hub dataset to read."""
+    text_column: str = "text"
+    """Column that holds the document text (jsonl/parquet/hub sources)."""
+    max_documents: int = 0
+    """Read at most this many documents (0: all)."""
+    tokenizer: str = ""
+    """Path to a tokenizer.json; empty: train a byte-level BPE on the corpus into the run directory."""
+    tokenizer_vocab_size: int = 4096
+    """Vocabulary size when a tokenizer is trained here (special tokens included)."""
+    tokenizer_train_chars: int = 20_000_000
+    """Characters of the corpus used to train a tokenizer."""
+    seq_len: int = 512
+    """Tokens per training sequence (the model sees seq_len inputs and predicts seq_len labels)."""
+    val_fraction: float = 0.01
+    """Fraction of the packed sequences held out for validation (taken from the end of the stream)."""
+    seed: int = 0
+    """Seed of the per-epoch shuffle of training sequences."""
+
+
+# ---------------------------------------------------------------- sources
+
+def stdlib_files() -> list[str]:
+    """Sorted paths of this interpreter's standard-library .py files (no site-packages)."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
+    return files
+
+
+def _local_files(spec: str) -> list[str]:
+    if os.path.isdir(spec):
+        files = sorted(f for f in glob.glob(os.path.join(spec, "**", "*"), recursive=True) if os.path.isfile(f))
+    else:
+        files = sorted(glob.glob(spec, recursive=True))
+    if not files:
+        raise DataError(f"data.dataset: no file matches '{spec}'; give an existing file, folder or glob")
+    return files
+
+
+def _looks_local(spec: str) -> bool:
+    return os.path.exists(spec) or any(c in spec for c in "*?[") or spec.startswith((".", "/", "~"))
+
+
+def iter_documents(cfg: DataConfig) -> Iterator[str]:
+    """Yield document texts (str) of the configured source, in a fixed order.
+
+    Raises DataError for a missing path, an unknown file type or a missing text column.
+    """
+    limit = cfg.max_documents or None
+    count = 0
+    for text in _iter_source(cfg):
+        if limit is not None and count >= limit:
+            return
+        count += 1
+        yield text
+
+
+def _iter_source(cfg: DataConfig) -> Iterator[str]:
+    if cfg.dataset == "stdlib":
+        for path in stdlib_files():
+            with open(path, encoding="utf-8", errors="replace") as f:
+                yield f.read()
+        return
+    import datasets  # deferred: importing it costs a second
+
+    if _looks_local(cfg.dataset):
+        files = _local_files(os.path.expanduser(cfg.dataset))
+        exts = {os.path.splitext(f)[1].lower() for f in files}
+        kinds = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+        unknown = sorted(e for e in exts if e not in kinds)
+        if unknown or len({kinds[e] for e in exts}) != 1:
+            raise DataError(
+                f"data.dataset: files of types {sorted(exts)} in '{cfg.dataset}'; use one of .txt, .jsonl, .parquet"
+            )
+        kind = kinds[exts.pop()]
+        if kind == "text":
+            # One file is one document, read as UTF-8 with bad bytes replaced.
+            for path in files:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    yield f.read()
+            return
+        ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+    else:
+        ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split=cfg.split, streaming=True)
+    first = True
+    for row in ds:
+        if first and cfg.text_column not in row:
+            raise DataError(
+                f"data.text_column: column '{cfg.text_column}' not in {cfg.dataset} (columns: {sorted(row)}); "
+                f"set --data.text_column"
+            )
+        first = False
+        text = row[cfg.text_column]
+        if text:
+            yield text
+
+
+# ---------------------------------------------------------------- tokenizer
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, max_chars: int):
+    """Train a byte-level BPE tokenizer (HF `tokenizers`) with the special tokens [PAD] [BOT] [EOT].
+
+    Byte-level: every string encodes, and decode(encode(s)) == s. Special tokens get ids
+    0, 1, 2. Raises DataError if vocab_size is too small for the byte alphabet.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + len(SPECIAL_TOKENS):
+        raise DataError(f"data.tokenizer_vocab_size must be >= {len(alphabet) + len(SPECIAL_TOKENS)}, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=alphabet, show_progress=False)
+
+    def limited() -> Iterator[str]:
+        seen = 0
+        for t in texts:
+            if seen >= max_chars:
+                return
+            seen += len(t)
+            yield t
+
+    tok.train_from_iterator(limited(), trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str):
+    """Load a tokenizer.json; raises DataError naming the file if it is missing or lacks [EOT]."""
+    from tokenizers import Tokenizer
+
+    if not os.path.isfile(path):
+        raise DataError(f"data.tokenizer: file '{path}' not found; give a tokenizer.json or leave it empty to train one")
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise DataError(f"data.tokenizer: cannot read '{path}': {e}") from e
+    if tok.token_to_id(EOT) is None:
+        raise DataError(f"data.tokenizer: '{path}' has no {EOT} token; the packer needs it as document separator")
+    return tok
+
+
+# ---------------------------------------------------------------- packing
+
+def pack_documents(docs: Iterable[list[int]], eot_id: int) -> np.ndarray:
+    """Concatenate token-id lists into one stream with eot_id after every document.
+
+    Returns a 1-D uint32 array of sum(len(d) + 1) tokens: nothing is padded or cut.
+    """
+    parts = []
+    for ids in docs:
+        parts.append(np.asarray(ids, dtype=np.uint32))
+        parts.append(np.asarray([eot_id], dtype=np.uint32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+
+
+def tokenize_corpus(cfg: DataConfig, tokenizer, batch: int = 256) -> tuple[np.ndarray, int]:
+    """Tokenize every document of the source and pack it. Returns (stream uint32, n_documents).
+
+    Raises DataError if the source holds no non-empty document.
+    """
+    eot = tokenizer.token_to_id(EOT)
+    chunks, n_docs, pending = [], 0, []
+
+    def flush():
+        nonlocal n_docs
+        encs = tokenizer.encode_batch(pending, add_special_tokens=False)
+        chunks.append(pack_documents((e.ids for e in encs), eot))
+        n_docs += len(pending)
+        pending.clear()
+
+    for text in iter_documents(cfg):
+        if text.strip():
+            pending.append(text)
+            if len(pending) >= batch:
+                flush()
+    if pending:
+        flush()
+    if n_docs == 0:
+        raise DataError(f"data.dataset: '{cfg.dataset}' holds no non-empty document; point it at real text")
+    return np.concatenate(chunks), n_docs
+
+
+def num_windows(n_tokens: int, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens at stride seq_len that fit in n_tokens."""
+    return max(0, (n_tokens - 1) // seq_len)
+
+
+def window(tokens: np.ndarray, index: int, seq_len: int) -> np.ndarray:
+    """Window index of the stream: tokens[index*seq_len : index*seq_len + seq_len + 1]."""
+    start = index * seq_len
+    return tokens[start:start + seq_len + 1]
+
+
+# ---------------------------------------------------------------- the prepared corpus on disk
+
+def prepare(cfg: DataConfig, out_dir: str) -> dict:
+    """Tokenize the corpus once into out_dir (run on one rank): tokenizer.json, tokens.bin, meta.json.
+
+    Reuses what an earlier call left there (a resumed run sees the same tokens). Files are
+    written under temporary names and renamed, so a crash never leaves a half file.
+    Returns the meta dict. Raises DataError for bad input.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    meta_path = os.path.join(out_dir, "meta.json")
+    tok_path = os.path.join(out_dir, "tokenizer.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            return json.load(f)
+    if cfg.tokenizer:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+    else:
+        tokenizer = train_tokenizer(iter_documents(cfg), cfg.tokenizer_vocab_size, cfg.tokenizer_train_chars)
+    _atomic_write(tok_path, lambda p: tokenizer.save(p))
+    stream, n_docs = tokenize_corpus(cfg, tokenizer)
+    _atomic_write(os.path.join(out_dir, "tokens.bin"), lambda p: stream.tofile(p))
+    meta = {"tokenizer": tok_path, "vocab_size": tokenizer.get_vocab_size(),
+            "n_tokens": int(stream.size), "n_documents": n_docs, "dataset": cfg.dataset}
+    _atomic_write(meta_path, lambda p: open(p, "w").write(json.dumps(meta, indent=1)))
+    return meta
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = path + ".tmp"
+    write(tmp)
+    os.replace(tmp, path)
+
+
+class PackedCorpus:
+    """The prepared token stream, memory-mapped, split into train and validation windows."""
+
+    def __init__(self, out_dir: str, cfg: DataConfig):
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            self.meta = json.load(f)
+        self.seq_len = cfg.seq_len
+        self.tokens = np.memmap(os.path.join(out_dir, "tokens.bin"), dtype=np.uint32, mode="r")
+        n = num_windows(self.tokens.size, cfg.seq_len)
+        self.n_val = int(n * cfg.val_fraction) if cfg.val_fraction > 0 else 0
+        if cfg.val_fraction > 0 and n >= 2:
+            self.n_val = max(1, self.n_val)
+        self.n_train = n - self.n_val
+
+    def sample(self, index: int) -> np.ndarray:
+        """Train window index (0 <= index < n_train) as an int64 array of seq_len + 1 tokens."""
+        return window(self.tokens, index, self.seq_len).astype(np.int64)
+
+    def val_sample(self, index: int) -> np.ndarray:
+        """Validation window index (0 <= index < n_val)."""
+        return window(self.tokens, self.n_train + index, self.seq_len).astype(np.int64)
+
+
+# ---------------------------------------------------------------- the loader
+
+@dataclasses.dataclass
+class DataState:
+    """Loader position, global and world-size independent: samples consumed since the start."""
+
+    consumed_samples: int = 0
+
+
+class GlobalBatchLoader:
+    """Yields this rank's micro-batches of each global step from a global sample cursor.
+
+    Global batch k = samples [k*B, (k+1)*B) of the concatenated per-epoch permutations
+    (epoch e's permutation is torch.randperm(n_train) seeded with seed + e). Rank r of
+    dp_size takes the contiguous slice [r*B/dp, (r+1)*B/dp) and splits it into
+    micro-batches of micro_batch_size.
+    """
+
+    def __init__(self, corpus: PackedCorpus, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int, dp_size: int, seed: int, state: DataState | None = None):
+        if global_batch_size % (dp_size * micro_batch_size):
+            raise DataError(
+                f"train.global_batch_size ({global_batch_size}) must be divisible by data-parallel size "
+                f"({dp_size}) x train.micro_batch_size ({micro_batch_size})"
+            )
+        if corpus.n_train < global_batch_size:
+            raise DataError(
+                f"data.dataset: only {corpus.n_train} training sequences of {corpus.seq_len} tokens, fewer than "
+                f"train.global_batch_size ({global_batch_size}); use more text, a shorter data.seq_len or a smaller batch"
+            )
+        self.corpus = corpus
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed = seed
+        self.state = state or DataState()
+        self._perm_epoch, self._perm = -1, None
+
+    def _index(self, g: int) -> int:
+        epoch, i = divmod(g, self.corpus.n_train)
+        if epoch != self._perm_epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(self.corpus.n_train, generator=gen).numpy()
+            self._perm_epoch = epoch
+        return int(self._perm[i])
+
+    def global_indices(self, step_start: int) -> list[int]:
+        """Corpus indices of the global batch that starts at sample cursor step_start."""
+        return [self._index(g) for g in range(step_start, step_start + self.global_batch_size)]
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches [(inputs, labels)] of the next global step, each (mb, seq_len) int64.
+
+        Advances the global cursor by global_batch_size.
+        """
+        per_rank = self.global_batch_size // self.dp_size
+        start = self.state.consumed_samples + self.dp_rank * per_rank
+        idx = [self._index(g) for g in range(start, start + per_rank)]
+        self.state.consumed_samples += self.global_batch_size
+        windows = torch.from_numpy(np.stack([self.corpus.sample(i) for i in idx]))
+        out = []
+        for mb in windows.split(self.micro_batch_size):
+            out.append((mb[:, :-1].contiguous(), mb[:, 1:].contiguous()))
+        return out
+
+    @property
+    def epoch(self) -> int:
+        return self.state.consumed_samples // self.corpus.n_train
+
+
+def val_batches(corpus: PackedCorpus, max_sequences: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+    """This rank's share of the first validation windows, as [(inputs, labels)] of (mb, seq_len) int64.
+
+    Uses the largest multiple of dp_size * micro_batch_size windows that is <= both
+    max_sequences and the held-out count, so every rank runs the same number of forward
+    passes (FSDP gathers parameters collectively in each). Empty when there are too few.
+    """
+    per_round = dp_size * micro_batch_size
+    total = min(corpus.n_val, max_sequences) // per_round * per_round
+    per_rank = total // dp_size
+    idx = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    out = []
+    for i in range(0, per_rank, micro_batch_size):
+        w = torch.from_numpy(np.stack([corpus.val_sample(j) for j in idx[i:i + micro_batch_size]]))
+        out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
+    return out

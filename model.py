@@ -1,0 +1,278 @@
+"""A Llama-style decoder in plain PyTorch, free of distributed code.
+
+Module names follow Meta's Llama (``tok_embeddings``, ``layers.{i}.attention.wq``,
+``feed_forward.w1``, ``attention_norm``, ``ffn_norm``, ``norm``, ``output``) so the tensor
+parallel plan in ``train_2d.py`` and the Hugging Face mapping in ``hf.py`` read naturally.
+RoPE uses the "rotate half" layout of Hugging Face's ``LlamaForCausalLM``, so exported
+weights need no permutation.
+
+Parallelism is applied from outside: attention infers its local head count from the width
+of the projections, so the same code runs whole or with column-sharded ``wq``/``wk``/``wv``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclasses.dataclass
+class ModelArgs:
+    """Shape of a Llama decoder. Derived sizes are computed and validated on construction."""
+
+    dim: int = 768
+    """Width of the residual stream (hidden size)."""
+    n_layers: int = 12
+    """Number of decoder blocks."""
+    n_heads: int = 12
+    """Number of query heads."""
+    n_kv_heads: int = 3
+    """Number of key/value heads (grouped-query attention); must divide n_heads."""
+    vocab_size: int = 50_000
+    """Rows of the embedding and of the output projection; the tokenizer must fit in it."""
+    ffn_dim: int = 3072
+    """Hidden width of the SwiGLU MLP (w1/w3 output, w2 input)."""
+    max_seq_len: int = 2048
+    """Length of the RoPE table: the longest sequence the model accepts."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon (Llama 1-3 use 1e-5)."""
+    rope_theta: float = 10_000.0
+    """RoPE base frequency (Llama 3 uses 500000)."""
+
+    def __post_init__(self) -> None:
+        positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be > 0, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+        if not self.norm_eps > 0:
+            raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"model.rope_theta must be > 0, got {self.rope_theta}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, dict] = {
+    # Tiny CPU model for the debug config and the tests.
+    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, ffn_dim=384,
+                  max_seq_len=512),
+    # The source document's model (LlamaConfig in seeds/000).
+    "llama_125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=3, vocab_size=50_000,
+                       ffn_dim=3072, max_seq_len=2048),
+    # Llama 3.2 1B and Llama 3 8B shapes (without Llama 3.1's RoPE frequency scaling).
+    "llama3_1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128_256,
+                      ffn_dim=8192, max_seq_len=8192, rope_theta=500_000.0),
+    "llama3_8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128_256,
+                      ffn_dim=14_336, max_seq_len=8192, rope_theta=500_000.0),
+}
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
+    """cos and sin tables for rotary embeddings, always in fp32.
+
+    Returns two tensors of shape (max_seq_len, head_dim), dtype float32, laid out for the
+    rotate-half convention: frequency i sits at columns i and i + head_dim/2.
+    Source: Su et al., RoFormer (2021), eq. 34; theta_i = theta^(-2i/head_dim).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float64), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (batch, seq, heads, head_dim) by position; computed in fp32, returned in x.dtype."""
+    seq_len = x.shape[1]
+    cos = cos[:seq_len].view(1, seq_len, 1, -1)
+    sin = sin[:seq_len].view(1, seq_len, 1, -1)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: x / sqrt(mean(x^2) + eps) * weight, normalised in fp32.
+
+    Matches Hugging Face's LlamaRMSNorm: the normalisation runs in fp32 and is cast back to
+    the input dtype before the weight is applied.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        bsz, seq_len, _ = x.shape
+        # -1 heads: under tensor parallelism wq/wk/wv hold only this rank's heads.
+        q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        n_rep = q.shape[2] // k.shape[2]
+        # (bsz, heads, seq, head_dim); K/V repeated so every SDPA kernel applies.
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x). Source: Shazeer, GLU Variants (2020)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _copy_full(param: Tensor, full: Tensor) -> None:
+    param.copy_(full)
+
+
+class Transformer(nn.Module):
+    """Llama decoder: tokens (batch, seq) int64 -> logits (batch, seq, vocab_size) float32."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Not persistent: recomputed by init_weights, never checkpointed.
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights(seed=0)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens: (batch, seq) int64 with seq <= max_seq_len. Returns fp32 logits (batch, seq, vocab).
+
+        Raises ValueError when the sequence is longer than the RoPE table.
+        """
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds model.max_seq_len {self.args.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        # fp32 logits: the loss must never be taken on bf16 logits.
+        return self.output(self.norm(h)).float()
+
+    def init_std(self, name: str) -> float | None:
+        """Initial std of a parameter by name; None for norm weights, which start at one.
+
+        Normal(0, 0.02) as in GPT-2 and HF Llama (initializer_range); the projections that
+        write into the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2, sec. 2.3).
+        """
+        if name.endswith("norm.weight"):
+            return None
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return 0.02 / math.sqrt(2 * self.args.n_layers)
+        return 0.02
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, copy_: Callable[[Tensor, Tensor], None] = _copy_full) -> None:
+        """Fill every parameter and buffer, deterministically from seed.
+
+        Each parameter's full value is drawn from its own generator, seeded by (seed, name),
+        so the result does not depend on world size, sharding or layer order, and no two
+        layers repeat. copy_(param, full) writes the full value into the parameter; callers
+        that hold sharded parameters pass a function that keeps only the local shard.
+        Generation runs on the RoPE buffer's device (after to_empty: the training device).
+        """
+        device = self.rope_cos.device
+        if device.type == "meta":
+            return
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, param in self.named_parameters():
+            std = self.init_std(name)
+            if std is None:
+                full = torch.ones(param.shape, device=device)
+            else:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(param.shape, device=device).normal_(0.0, std, generator=gen)
+            copy_(param, full.to(param.dtype))
+
+
+def num_params(a: ModelArgs, exclude_embedding: bool = False) -> int:
+    """Number of parameters of the full (unsharded) model with shape a.
+
+    exclude_embedding drops the token embedding table (a lookup, no FLOPs); the output
+    projection is kept, as it is a matmul.
+    """
+    per_layer = 2 * a.dim + a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) + 3 * a.dim * a.ffn_dim
+    total = a.n_layers * per_layer + a.dim + 2 * a.vocab_size * a.dim
+    return total - a.vocab_size * a.dim if exclude_embedding else total
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) at sequence length seq_len.
+
+    6 N + 12 L H Q T, from the PaLM paper (Chowdhery et al. 2022, appendix B): N the
+    non-embedding parameters, L layers, H heads, Q head dim, T sequence length. The
+    attention term counts the full T x T score matrix, as PaLM does (causal masking is not
+    subtracted). Activation recomputation is not counted (this is model FLOPs, for MFU).
+    """
+    n = num_params(args, exclude_embedding=True)
+    return 6.0 * n + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
