@@ -329,30 +329,32 @@ def token_loss_sum(model, inputs, labels, loss_context) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-def train_step(model, optimizer, micro_batches, n_targets: int, dp_size: int, device, loss_context,
-               grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward over this rank's micro-batches, then clip and step.
+def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device, loss_context) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of one step; gradients accumulate.
 
     Every micro-batch's loss sum is divided by n_targets, the global count of target tokens
     of the step, and multiplied by dp_size because FSDP averages gradients over data-parallel
     ranks: the gradient is exactly that of the global mean token loss, however the batch is
-    split. Returns (this rank's loss sum, global grad norm), both 0-dim fp32 tensors on device,
-    without a host sync.
+    split. Returns this rank's summed token loss, a 0-dim fp32 tensor on device (no host sync).
     """
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, labels) in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last micro-batch
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per step
         inputs = inputs.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         with loss_context():
             loss = token_loss_sum(model, inputs, labels, contextlib.nullcontext)
             (loss * (dp_size / n_targets)).backward()
         loss_sum += _scalar(loss).detach()
+    return loss_sum
+
+
+def optimizer_step(model, optimizer, grad_clip: float, device) -> torch.Tensor:
+    """Clip to grad_clip (0: no clipping), step, zero the gradients; returns the pre-clip global norm."""
     norm = grad_norm_(model.parameters(), grad_clip, device)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, norm
+    return norm
 
 
 @torch.no_grad()
@@ -426,17 +428,41 @@ def run(cfg: Config, tensor_parallel: Callable[[Transformer, DeviceMesh], None] 
     validate(cfg, world_size, tp)
     rank, world_size, device = init_distributed(cfg)
     try:
-        _train(cfg, rank, world_size, device, tp, tensor_parallel, loss_context)
+        train(build(cfg, rank, world_size, device, tensor_parallel), loss_context)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg, rank, world_size, device, tp, tensor_parallel, loss_context) -> None:
+@dataclasses.dataclass
+class Session:
+    """Everything built for a run on one rank, before the loop (also used by tests and benchmarks)."""
+
+    cfg: Config
+    rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    dp: int
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    corpus: data_lib.PackedCorpus
+    loader: data_lib.GlobalBatchLoader
+    micro_batch_size: int
+    train_state: TrainState
+    ckpt: Checkpointer
+    app: AppState
+    meta: dict
+    resumed_from: str | None
+
+
+def build(cfg: Config, rank: int, world_size: int, device: torch.device,
+          tensor_parallel: Callable[[Transformer, DeviceMesh], None] | None = None, resume: bool = True) -> Session:
+    """Mesh, data, sharded model, optimizer and checkpointer (collective); resumes if a checkpoint exists."""
+    tp = cfg.parallel.tp
     dp = world_size // tp
     shape, names = ((dp, tp), ("dp", "tp")) if tensor_parallel is not None else ((dp,), ("dp",))
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    dp_mesh = mesh["dp"]
-    dp_rank = dp_mesh.get_local_rank()
+    dp_rank = mesh["dp"].get_local_rank()
     torch.manual_seed(cfg.train.seed)
 
     # Data: one rank tokenizes into the run directory, the others map it.
@@ -472,9 +498,18 @@ def _train(cfg, rank, world_size, device, tp, tensor_parallel, loss_context) -> 
             check_compatible(path, full_shapes)
         return path
 
-    resume = on_rank0(find_resume, rank)
-    if resume is not None:
-        ckpt.load(resume, app)
+    path = on_rank0(find_resume, rank) if resume else None
+    if path is not None:
+        ckpt.load(path, app)
+    return Session(cfg, rank, device, mesh, dp, model, optimizer, scheduler, corpus, loader, micro,
+                   train_state, ckpt, app, meta, path)
+
+
+def train(s: Session, loss_context=contextlib.nullcontext) -> None:
+    """The training loop: steps, logging, validation, checkpoints, SIGTERM; from s.train_state.step on."""
+    cfg, rank, device, dp = s.cfg, s.rank, s.device, s.dp
+    model, optimizer, scheduler, loader, train_state, ckpt = (s.model, s.optimizer, s.scheduler, s.loader,
+                                                              s.train_state, s.ckpt)
     if rank == 0:
         config_lib.write_resolved(cfg, os.path.join(cfg.run_dir, "config.toml"))
 
@@ -484,13 +519,16 @@ def _train(cfg, rank, world_size, device, tp, tensor_parallel, loss_context) -> 
     dist.all_reduce(peak)  # the run's peak is the sum of its ranks' peaks
     peak_total = peak.item()
     log = MetricsLog(cfg.run_dir, rank == 0)
-    val = data_lib.val_batches(corpus, cfg.train.val_batches * cfg.train.global_batch_size, micro, dp_rank, dp)
+    dp_mesh = s.mesh["dp"]
+    val = data_lib.val_batches(s.corpus, cfg.train.val_batches * cfg.train.global_batch_size, s.micro_batch_size,
+                               dp_mesh.get_local_rank(), dp)
     if rank == 0:
-        print(f"[train] world {world_size} mesh {dict(zip(names, shape))} device {device.type} | "
+        print(f"[train] mesh {dict(zip(s.mesh.mesh_dim_names, s.mesh.shape))} device {device.type} | "
               f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
-              f"corpus {meta['n_tokens']:,} tokens in {meta['n_documents']} docs, {corpus.n_train} train / "
-              f"{corpus.n_val} val sequences | "
-              + (f"resumed from {resume} at step {train_state.step}" if resume else "fresh start"), flush=True)
+              f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
+              f"{s.corpus.n_val} val sequences | "
+              + (f"resumed from {s.resumed_from} at step {train_state.step}" if s.resumed_from else "fresh start"),
+              flush=True)
 
     stop = StopFlag()
     dp_group = dp_mesh.get_group()
@@ -500,8 +538,8 @@ def _train(cfg, rank, world_size, device, tp, tensor_parallel, loss_context) -> 
     t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
     while train_state.step < cfg.train.steps:
         lr = scheduler.get_last_lr()[0]
-        loss_sum, norm = train_step(model, optimizer, loader.next_step(), n_targets, dp, device,
-                                    loss_context, cfg.optim.grad_clip)
+        loss_sum = forward_backward(model, loader.next_step(), n_targets, dp, device, loss_context)
+        norm = optimizer_step(model, optimizer, cfg.optim.grad_clip, device)
         scheduler.step()
         train_state.step += 1
         train_state.tokens_seen += n_targets
@@ -534,9 +572,9 @@ def _train(cfg, rank, world_size, device, tp, tensor_parallel, loss_context) -> 
             if rank == 0:
                 bar.write(f"[val] step {step}: val_loss {val_loss:.4f}")
         if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
-            ckpt.save(step, app)
+            ckpt.save(step, s.app)
         if stop.any_rank():
-            ckpt.save(step, app)
+            ckpt.save(step, s.app)
             ckpt.wait()
             if rank == 0:
                 bar.write(f"[train] SIGTERM: saved step {step} in {ckpt.root}; run the same command to resume")

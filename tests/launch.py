@@ -1,0 +1,43 @@
+"""Run the project's scripts under torchrun as a user would, with a timeout so a hang fails."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEBUG = os.path.join(ROOT, "configs", "debug.toml")
+
+
+def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: bool = True,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """torchrun --standalone --nproc_per_node=nproc ROOT/script args; returns the finished process.
+
+    Raises AssertionError with the output's tail if check and the exit status is not 0,
+    and subprocess.TimeoutExpired (after killing the process group) past timeout seconds.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          start_new_session=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc
+
+
+def debug_run(nproc: int, run_dir: str, *overrides: str, script: str = "train_fsdp.py", **kw):
+    """A debug-config run into run_dir with overrides (e.g. '--train.steps', '4')."""
+    return torchrun(nproc, script, "--config", DEBUG, "--run_dir", str(run_dir), *overrides, **kw)
+
+
+def metrics(run_dir) -> list[dict]:
+    """Records of run_dir/metrics.jsonl, in order."""
+    with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def losses(run_dir) -> dict[int, float]:
+    """The last logged train loss of each step."""
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
