@@ -340,18 +340,18 @@ class GlobalBatchLoader:
             self._perm_epoch = epoch
         return int(self._perm[i])
 
-    def global_indices(self, step_start: int) -> list[int]:
-        """Corpus indices of the global batch that starts at sample cursor step_start."""
-        return [self._index(g) for g in range(step_start, step_start + self.global_batch_size)]
+    def rank_indices(self) -> list[int]:
+        """Corpus indices of this rank's slice of the next global batch (the cursor does not move)."""
+        per_rank = self.global_batch_size // self.dp_size
+        start = self.state.consumed_samples + self.dp_rank * per_rank
+        return [self._index(g) for g in range(start, start + per_rank)]
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches [(inputs, labels)] of the next global step, each (mb, seq_len) int64.
 
         Advances the global cursor by global_batch_size.
         """
-        per_rank = self.global_batch_size // self.dp_size
-        start = self.state.consumed_samples + self.dp_rank * per_rank
-        idx = [self._index(g) for g in range(start, start + per_rank)]
+        idx = self.rank_indices()
         self.state.consumed_samples += self.global_batch_size
         windows = torch.from_numpy(np.stack([self.corpus.sample(i) for i in idx]))
         out = []

@@ -41,3 +41,21 @@ def metrics(run_dir) -> list[dict]:
 def losses(run_dir) -> dict[int, float]:
     """The last logged train loss of each step."""
     return {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+
+
+def prepared_data_dir(dest) -> None:
+    """Copy the debug corpus, tokenized once per test session, into run directory dest/data.
+
+    Saves each test the tokenizer training and tokenization (data.prepare reuses it).
+    """
+    import shutil
+    import tempfile
+
+    import data
+    import train_fsdp
+
+    cache = os.path.join(tempfile.gettempdir(), f"llama_pretrain_test_data_{os.getpid()}")
+    if not os.path.exists(os.path.join(cache, "meta.json")):
+        cfg = train_fsdp.parse_config(["--config", DEBUG])
+        data.prepare(cfg.data, cache)
+    shutil.copytree(cache, os.path.join(str(dest), "data"), dirs_exist_ok=True)
