@@ -1,0 +1,220 @@
+"""checkpoint.py: every piece of state round-trips; a crash mid-run resumes to the same losses;
+resume at another world size; half-written checkpoints are skipped; async = sync; keep-k; SIGTERM."""
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import checkpoint as ckpt_lib
+import train_fsdp
+from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _session(run_dir, *overrides):
+    prepared_data_dir(run_dir)
+    cfg = train_fsdp.parse_config(["--config", DEBUG, "--run_dir", str(run_dir), "--train.steps", "50",
+                                   "--checkpoint.keep", "0", *overrides])
+    return train_fsdp.build(cfg, 0, 1, torch.device("cpu"))
+
+
+def _steps(s, n):
+    for _ in range(n):
+        train_fsdp.forward_backward(s.model, s.loader.next_step(), 16 * 128, 1, s.device, train_fsdp.contextlib.nullcontext)
+        train_fsdp.optimizer_step(s.model, s.optimizer, 1.0, s.device)
+        s.scheduler.step()
+        s.train_state.step += 1
+        s.train_state.tokens_seen += 16 * 128
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _assert_same_state(a, b):
+    for (n1, p1), (n2, p2) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert n1 == n2 and torch.equal(_full(p1), _full(p2)), n1
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    for k in sa["state"]:
+        for name in sa["state"][k]:
+            assert torch.equal(_full(sa["state"][k][name]), _full(sb["state"][k][name])), (k, name)
+    assert a.scheduler.state_dict() == b.scheduler.state_dict()
+    assert a.scheduler.get_last_lr() == b.scheduler.get_last_lr()
+    assert a.train_state == b.train_state
+    assert a.loader.state == b.loader.state
+
+
+@pytest.mark.parametrize("steps", [0, 3, 25])  # before the first step, in warmup (20 steps), after it
+def test_every_piece_of_state_round_trips(tmp_path, single_rank_group, steps):
+    a = _session(tmp_path / "a")
+    _steps(a, steps)
+    torch.manual_seed(1234)
+    rng_before = torch.get_rng_state()
+    a.ckpt.save(steps, a.app)
+    torch.rand(10)  # move the RNG on: the load must bring it back
+    b = _session(tmp_path / "a")  # same run directory: resumes from the checkpoint just written
+    assert b.resumed_from.endswith(f"step_{steps:08d}")
+    _assert_same_state(a, b)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    # And the next step is the same step on both.
+    _steps(a, 1)
+    _steps(b, 1)
+    _assert_same_state(a, b)
+
+
+def test_async_save_equals_sync_save_even_when_training_goes_on(tmp_path, single_rank_group):
+    sync = _session(tmp_path / "sync")
+    _steps(sync, 2)
+    sync.ckpt.save(2, sync.app)
+    asy = _session(tmp_path / "async", "--checkpoint.async_save", "true")
+    _steps(asy, 2)
+    asy.ckpt.save(2, asy.app)
+    _steps(asy, 2)  # mutates parameters and optimizer state while the save may still be writing
+    asy.ckpt.wait()
+    out = {}
+    for name in ("sync", "async"):
+        dcp_to_torch_save(str(tmp_path / name / "checkpoints" / "step_00000002"), str(tmp_path / f"{name}.pt"))
+        out[name] = torch.load(tmp_path / f"{name}.pt", weights_only=False)["app"]
+    for part in ("model", "optim", "scheduler", "train", "data"):
+        assert _flatten(out["sync"][part]).keys() == _flatten(out["async"][part]).keys()
+        for k, v in _flatten(out["sync"][part]).items():
+            w = _flatten(out["async"][part])[k]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (part, k)
+
+
+def _flatten(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        elif isinstance(v, list):
+            out.update(_flatten(dict(enumerate(v)), f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_half_written_checkpoints_are_skipped_and_keep_k_leaves_k(tmp_path, single_rank_group):
+    rd = tmp_path / "run"
+    s = _session(rd, "--checkpoint.keep", "2")
+    for step in (1, 2, 3, 4):
+        _steps(s, 1)
+        s.ckpt.save(step, s.app)
+    root = rd / "checkpoints"
+    assert sorted(os.listdir(root)) == ["step_00000003", "step_00000004"]
+    # A crash between the ranks' writes and the commit leaves a .tmp directory, possibly with a
+    # .metadata already written; a directory without .metadata is incomplete too.
+    shutil.copytree(root / "step_00000004", root / "step_00000009.tmp")
+    (root / "step_00000008").mkdir()
+    (root / "step_00000008" / "__0_0.distcp").write_bytes(b"partial")
+    again = _session(rd, "--checkpoint.keep", "2")
+    assert again.resumed_from.endswith("step_00000004") and again.train_state.step == 4
+    assert not (root / "step_00000009.tmp").exists()  # cleaned on start
+
+
+def test_checkpoint_of_another_model_names_keys_and_shapes(tmp_path, single_rank_group):
+    rd = tmp_path / "run"
+    s = _session(rd)
+    s.ckpt.save(0, s.app)
+    shapes = {k: v.shape for k, v in s.model.state_dict().items()}
+    shapes["tok_embeddings.weight"] = torch.Size([8192, 128])
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"tok_embeddings.weight: checkpoint \(4096, 128\) vs model \(8192, 128\)"):
+        ckpt_lib.check_compatible(str(rd / "checkpoints" / "step_00000000"), shapes)
+    with pytest.raises(ckpt_lib.CheckpointError, match="no .metadata"):
+        ckpt_lib.read_metadata(str(tmp_path))
+
+
+def test_a_checkpoint_of_another_model_stops_the_run_before_anything_is_overwritten(tmp_path):
+    rd = tmp_path / "run"
+    prepared_data_dir(rd)
+    debug_run(1, rd, "--train.steps", "2", "--checkpoint.interval", "1")
+    before = {p: os.path.getmtime(p) for p in _files(rd)}
+    proc = debug_run(2, rd, "--train.steps", "4", "--model.n_layers", "2", check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "saved from another model" in proc.stderr and "layers.2.attention.wq.weight" in proc.stderr
+    assert {p: os.path.getmtime(p) for p in _files(rd)} == before
+
+
+def _files(rd):
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(rd) for f in fs)
+
+
+COMMON = ["--train.steps", "10", "--train.seed", "0", "--checkpoint.interval", "2", "--train.val_interval", "0"]
+
+
+def _kill_after(rd, nproc, step, sig, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "train_fsdp.py"), "--config", DEBUG, "--run_dir", str(rd), *COMMON, *extra]
+    log = open(rd.parent / f"{rd.name}.log", "w")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if os.path.exists(rd / "metrics.jsonl") and any(r.get("step", 0) >= step for r in metrics(rd)):
+            os.killpg(p.pid, sig)
+            break
+        time.sleep(0.01)
+    return p.wait(timeout=120)
+
+
+def test_sigkill_at_a_random_step_then_resume_gives_the_uninterrupted_losses(tmp_path):
+    ref, rd = tmp_path / "ref", tmp_path / "killed"
+    for d in (ref, rd):
+        prepared_data_dir(d)
+    debug_run(2, ref, *COMMON)
+    kill_step = random.Random().randint(3, 7)
+    rc = _kill_after(rd, 2, kill_step, signal.SIGKILL)
+    assert rc != 0, "the run finished before it was killed"
+    debug_run(2, rd, *COMMON)
+    want, got = losses(ref), losses(rd)
+    assert sorted(got) == list(range(1, 11))
+    assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-6, f"killed after step {kill_step}"
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path):
+    rd = tmp_path / "term"
+    prepared_data_dir(rd)
+    _kill_after(rd, 2, 3, signal.SIGTERM, "--checkpoint.interval", "1000")
+    # torchrun's agent reports the signal with its own exit status; the workers stop cleanly.
+    assert "SIGTERM: saved step" in (tmp_path / "term.log").read_text()
+    saved = ckpt_lib.complete_checkpoints(str(rd / "checkpoints"))
+    assert saved and saved[-1][0] == max(r["step"] for r in metrics(rd))
+    debug_run(2, rd, *COMMON, "--checkpoint.interval", "1000")
+    assert sorted(losses(rd)) == list(range(1, 11))
+
+
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_resume_at_another_world_size_continues_the_same_run(tmp_path, first, second):
+    ref = tmp_path / "ref"
+    prepared_data_dir(ref)
+    debug_run(first, ref, *COMMON, "--checkpoint.keep", "0")
+    rd = tmp_path / "resharded"
+    prepared_data_dir(rd)
+    shutil.copytree(ref / "checkpoints" / "step_00000004", rd / "checkpoints" / "step_00000004")
+    debug_run(second, rd, *COMMON)
+    want, got = losses(ref), losses(rd)
+    assert sorted(got) == list(range(5, 11))
+    assert max(abs(got[s] - want[s]) / want[s] for s in got) <= 1e-4
