@@ -19,6 +19,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 import sysconfig
 from typing import Iterable, Iterator
 
@@ -45,6 +46,8 @@ class DataConfig:
     """Column that holds the document text (jsonl/parquet/hub sources)."""
     max_documents: int = 0
     """Read at most this many documents (0: all)."""
+    decode_errors: str = "strict"
+    """Undecodable bytes in .txt files: 'strict' stops with the file and byte offset, 'replace' substitutes U+FFFD."""
     tokenizer: str = ""
     """Path to a tokenizer.json; empty: train a byte-level BPE on the corpus into the run directory."""
     tokenizer_vocab_size: int = 4096
@@ -81,6 +84,34 @@ def _local_files(spec: str) -> list[str]:
     return files
 
 
+def _read_text(path: str, errors: str) -> str:
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"data.dataset: '{path}' is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+            f"convert it, or pass --data.decode_errors replace"
+        ) from None
+
+
+def check_source(cfg: DataConfig) -> None:
+    """Cheap checks of the data config that need no reading of documents (run on every rank, early).
+
+    Raises DataError for a local path or glob that matches nothing, an unknown decode_errors,
+    or an empty text column name. Hub ids are checked when first read.
+    """
+    if cfg.decode_errors not in ("strict", "replace"):
+        raise DataError(f"data.decode_errors must be 'strict' or 'replace', got '{cfg.decode_errors}'")
+    if not cfg.text_column:
+        raise DataError("data.text_column is empty; name the column that holds the text (e.g. 'text')")
+    if cfg.max_documents < 0:
+        raise DataError(f"data.max_documents must be >= 0, got {cfg.max_documents}")
+    if cfg.dataset != "stdlib" and _looks_local(cfg.dataset):
+        _local_files(os.path.expanduser(cfg.dataset))
+
+
 def _looks_local(spec: str) -> bool:
     return os.path.exists(spec) or any(c in spec for c in "*?[") or spec.startswith((".", "/", "~"))
 
@@ -102,6 +133,7 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
 def _iter_source(cfg: DataConfig) -> Iterator[str]:
     if cfg.dataset == "stdlib":
         for path in stdlib_files():
+            # A few of CPython's own test files are deliberately not UTF-8; they are noise, not errors.
             with open(path, encoding="utf-8", errors="replace") as f:
                 yield f.read()
         return
@@ -118,25 +150,32 @@ def _iter_source(cfg: DataConfig) -> Iterator[str]:
             )
         kind = kinds[exts.pop()]
         if kind == "text":
-            # One file is one document, read as UTF-8 with bad bytes replaced.
-            for path in files:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    yield f.read()
+            for path in files:  # one file is one document
+                yield _read_text(path, cfg.decode_errors)
             return
-        ds = datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+        rows = lambda: datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
     else:
-        ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split=cfg.split, streaming=True)
-    first = True
-    for row in ds:
-        if first and cfg.text_column not in row:
-            raise DataError(
-                f"data.text_column: column '{cfg.text_column}' not in {cfg.dataset} (columns: {sorted(row)}); "
-                f"set --data.text_column"
-            )
-        first = False
-        text = row[cfg.text_column]
-        if text:
-            yield text
+        rows = lambda: datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split=cfg.split, streaming=True)
+    try:
+        first = True
+        for row in rows():
+            if first and cfg.text_column not in row:
+                raise DataError(
+                    f"data.text_column: column '{cfg.text_column}' not in {cfg.dataset} (columns: {sorted(row)}); "
+                    f"set --data.text_column"
+                )
+            first = False
+            text = row[cfg.text_column]
+            if text is not None and not isinstance(text, str):
+                raise DataError(f"data.text_column: column '{cfg.text_column}' of {cfg.dataset} holds "
+                                f"{type(text).__name__}, not text; name a string column")
+            if text:
+                yield text
+    except DataError:
+        raise
+    except Exception as e:  # datasets/pyarrow/hub errors come in many types; name the source instead
+        first_line = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DataError(f"data.dataset: cannot read '{cfg.dataset}': {type(e).__name__}: {first_line}") from e
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -239,36 +278,49 @@ def window(tokens: np.ndarray, index: int, seq_len: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- the prepared corpus on disk
 
+# Fields that decide the token stream; seq_len, val_fraction and the shuffle apply when it is read.
+_PREPARED_FROM = ("dataset", "dataset_config", "split", "text_column", "max_documents", "decode_errors",
+                  "tokenizer", "tokenizer_vocab_size", "tokenizer_train_chars")
+
+
 def prepare(cfg: DataConfig, out_dir: str) -> dict:
     """Tokenize the corpus once into out_dir (run on one rank): tokenizer.json, tokens.bin, meta.json.
 
-    Reuses what an earlier call left there (a resumed run sees the same tokens). Files are
-    written under temporary names and renamed, so a crash never leaves a half file.
+    Reuses what an earlier call left there, so a resumed run reads the same tokens; raises
+    DataError if that was prepared with other data settings. Everything is written into
+    out_dir + '.tmp' and renamed at the end: bad input or a crash leaves no out_dir behind.
     Returns the meta dict. Raises DataError for bad input.
     """
-    os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, "meta.json")
-    tok_path = os.path.join(out_dir, "tokenizer.json")
+    wanted = {k: getattr(cfg, k) for k in _PREPARED_FROM}
     if os.path.exists(meta_path):
         with open(meta_path) as f:
-            return json.load(f)
+            meta = json.load(f)
+        changed = [f"data.{k}: {meta['config'].get(k)!r} -> {v!r}" for k, v in wanted.items()
+                   if meta.get("config", {}).get(k) != v]
+        if changed:
+            raise DataError(
+                f"'{out_dir}' was prepared with other data settings ({'; '.join(changed)}); "
+                f"use a new --run_dir, or the settings the run started with"
+            )
+        return meta
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(out_dir, ignore_errors=True)  # no meta.json: an incomplete, derived directory
+    os.makedirs(tmp)
     if cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
     else:
         tokenizer = train_tokenizer(iter_documents(cfg), cfg.tokenizer_vocab_size, cfg.tokenizer_train_chars)
-    _atomic_write(tok_path, lambda p: tokenizer.save(p))
+    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     stream, n_docs = tokenize_corpus(cfg, tokenizer)
-    _atomic_write(os.path.join(out_dir, "tokens.bin"), lambda p: stream.tofile(p))
-    meta = {"tokenizer": tok_path, "vocab_size": tokenizer.get_vocab_size(),
-            "n_tokens": int(stream.size), "n_documents": n_docs, "dataset": cfg.dataset}
-    _atomic_write(meta_path, lambda p: open(p, "w").write(json.dumps(meta, indent=1)))
+    stream.tofile(os.path.join(tmp, "tokens.bin"))
+    meta = {"tokenizer": os.path.join(out_dir, "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size(),
+            "n_tokens": int(stream.size), "n_documents": n_docs, "config": wanted}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    os.replace(tmp, out_dir)
     return meta
-
-
-def _atomic_write(path: str, write) -> None:
-    tmp = path + ".tmp"
-    write(tmp)
-    os.replace(tmp, path)
 
 
 class PackedCorpus:

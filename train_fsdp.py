@@ -60,6 +60,8 @@ class TrainConfig:
     """Validate every this many steps and at the end (0: never)."""
     val_batches: int = 4
     """Validation uses up to this many global batches of held-out sequences."""
+    nonfinite: str = "stop"
+    """A non-finite gradient norm: 'stop' the run (the last checkpoint stays as it was) or 'skip' that step's update."""
 
 
 @dataclasses.dataclass
@@ -116,6 +118,10 @@ class SetupError(ValueError):
     """Bad configuration found before training; the message names the field and the fix."""
 
 
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite gradient); the message says at which step and why."""
+
+
 def parse_config(argv: list[str] | None = None, description: str = __doc__) -> Config:
     """Config from --config FILE and --section.field overrides; ConfigError on bad input."""
     return config_lib.parse_args(Config, argv, presets={"model": PRESETS}, description=description)
@@ -161,9 +167,17 @@ def validate(cfg: Config, world_size: int, tp: int) -> None:
         raise SetupError(f"parallel.prefetch must be >= 1, got {cfg.parallel.prefetch}")
     if cfg.parallel.cpu_offload and resolve_device(cfg, 0).type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")
+    data_lib.check_source(d)
     if d.tokenizer:
         tok = data_lib.load_tokenizer(d.tokenizer)
         check_vocab(tok.get_vocab_size(), cfg.model.vocab_size, d.tokenizer)
+    elif d.tokenizer_vocab_size > cfg.model.vocab_size:
+        raise SetupError(
+            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
+            f"({cfg.model.vocab_size}); lower the first or raise the second"
+        )
+    if t.nonfinite not in ("stop", "skip"):
+        raise SetupError(f"train.nonfinite must be 'stop' or 'skip', got '{t.nonfinite}'")
     try:
         os.makedirs(cfg.run_dir, exist_ok=True)
         probe = os.path.join(cfg.run_dir, f".write_probe_{os.getpid()}")
@@ -349,9 +363,23 @@ def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device,
     return loss_sum
 
 
-def optimizer_step(model, optimizer, grad_clip: float, device) -> torch.Tensor:
-    """Clip to grad_clip (0: no clipping), step, zero the gradients; returns the pre-clip global norm."""
+class NonFiniteError(RuntimeError):
+    """The global gradient norm is NaN or inf; the weights were not updated."""
+
+
+def optimizer_step(model, optimizer, grad_clip: float, device, skip_nonfinite: bool = False) -> torch.Tensor:
+    """Clip to grad_clip (0: no clipping), step, zero the gradients; returns the pre-clip global norm.
+
+    A non-finite norm never reaches the weights: the gradients are dropped and NonFiniteError
+    is raised, or, with skip_nonfinite, the update is skipped and the non-finite norm returned.
+    Checking costs one host sync per step.
+    """
     norm = grad_norm_(model.parameters(), grad_clip, device)
+    if not torch.isfinite(norm).item():
+        optimizer.zero_grad(set_to_none=True)
+        if skip_nonfinite:
+            return norm
+        raise NonFiniteError(f"gradient norm is {norm.item()}")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
@@ -539,7 +567,14 @@ def train(s: Session, loss_context=contextlib.nullcontext) -> None:
     while train_state.step < cfg.train.steps:
         lr = scheduler.get_last_lr()[0]
         loss_sum = forward_backward(model, loader.next_step(), n_targets, dp, device, loss_context)
-        norm = optimizer_step(model, optimizer, cfg.optim.grad_clip, device)
+        try:
+            norm = optimizer_step(model, optimizer, cfg.optim.grad_clip, device, cfg.train.nonfinite == "skip")
+        except NonFiniteError as e:
+            raise TrainingError(
+                f"step {train_state.step + 1}: {e} (loss {loss_sum.item() / n_targets * dp:.4g} on rank {rank}); "
+                f"stopped before the update, so the last checkpoint in {ckpt.root} is untouched; lower optim.lr, "
+                f"raise optim.warmup_steps, or pass --train.nonfinite skip"
+            ) from None
         scheduler.step()
         train_state.step += 1
         train_state.tokens_seen += n_targets
@@ -556,13 +591,10 @@ def train(s: Session, loss_context=contextlib.nullcontext) -> None:
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                       "mfu": tps * fpt / peak_total, "tokens_seen": train_state.tokens_seen,
                       "epoch": loader.epoch, "peak_mem_gib": peak_memory_gib(device)}
+            if not math.isfinite(grad_norm):
+                record["skipped"] = True
             log.write(record)
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mfu=f"{record['mfu']:.1%}")
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                raise SetupError(
-                    f"non-finite loss {loss} or grad_norm {grad_norm} at step {step}; the last good checkpoint "
-                    f"is kept in {ckpt.root}; lower optim.lr or raise optim.warmup_steps"
-                )
             t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
 
         paused = time.perf_counter()
@@ -588,14 +620,19 @@ def train(s: Session, loss_context=contextlib.nullcontext) -> None:
 
 
 def main(argv: list[str] | None = None, tensor_parallel=None, loss_context=contextlib.nullcontext,
-         description: str = __doc__) -> int:
-    """Entry point: parse, validate, run; bad input exits with status 2 and a one-line message."""
+         description: str = __doc__, check: Callable[[Config, int], None] | None = None) -> int:
+    """Entry point: parse, validate, run; bad input exits with status 2 and a one-line message.
+
+    check(cfg, world_size), if given, runs first of the checks, before the process group exists.
+    """
     try:
         cfg = parse_config(argv, description)
         if tensor_parallel is None and cfg.parallel.tp != 1:
             raise SetupError(f"parallel.tp is {cfg.parallel.tp}: tensor parallelism runs with train_2d.py")
+        if check is not None:
+            check(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         run(cfg, tensor_parallel, loss_context)
-    except (config_lib.ConfigError, SetupError, data_lib.DataError, CheckpointError) as e:
+    except (config_lib.ConfigError, SetupError, TrainingError, data_lib.DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -1,0 +1,151 @@
+"""Every bad input fails early with one short message naming the field or file and the fix,
+exits with status 2, and leaves an existing run directory exactly as it was."""
+import json
+import os
+import socket
+
+import pytest
+
+import data
+import train_fsdp
+from launch import DEBUG, debug_run, losses, metrics, prepared_data_dir
+
+
+def _snapshot(rd):
+    return sorted((os.path.join(d, f), os.path.getmtime(os.path.join(d, f)), os.path.getsize(os.path.join(d, f)))
+                  for d, _, fs in os.walk(rd) for f in fs)
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory):
+    """A finished 2-step run: bad input must leave it untouched."""
+    rd = tmp_path_factory.mktemp("existing")
+    prepared_data_dir(rd)
+    debug_run(1, rd, "--train.steps", "2", "--checkpoint.interval", "1")
+    return rd
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _main_in_process(monkeypatch, capsys, *argv, world_size=1):
+    """train_fsdp.main in this process: for errors raised before the process group exists."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("MASTER_PORT", _free_port())  # should validation pass, no port clash
+    rc = train_fsdp.main(["--config", DEBUG, *argv])
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    data.train_tokenizer([f"w{i} " * 3 for i in range(3000)], 600, 10 ** 6).save(str(path))
+    return str(path)
+
+
+PRE_GROUP = [
+    (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'steps'?"),
+    (["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
+    (["--model.n_heads", "3"], "model.dim (128) must be divisible by model.n_heads (3)"),
+    (["--model.n_kv_heads", "3"], "model.n_heads (4) must be divisible by model.n_kv_heads (3)"),
+    (["--parallel.tp", "2"], "tensor parallelism runs with train_2d.py"),
+    (["--data.seq_len", "1024"], "data.seq_len (1024) must be in 1..model.max_seq_len (512)"),
+    (["--data.tokenizer_vocab_size", "8000"], "data.tokenizer_vocab_size (8000) is larger than model.vocab_size (4096)"),
+    (["--data.dataset", "/nonexistent/*.jsonl"], "data.dataset: no file matches '/nonexistent/*.jsonl'"),
+    (["--data.tokenizer", "/nonexistent/tokenizer.json"], "data.tokenizer: file '/nonexistent/tokenizer.json' not found"),
+    (["--train.dtype", "fp8"], "train.dtype must be 'bfloat16' or 'float32'"),
+    (["--train.activation_checkpointing", "some"], "train.activation_checkpointing must be"),
+]
+
+
+@pytest.mark.parametrize("argv, msg", PRE_GROUP)
+def test_bad_config_fails_before_any_collective(existing_run, monkeypatch, capsys, argv, msg):
+    before = _snapshot(existing_run)
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), *argv)
+    assert rc == 2
+    assert err.startswith("error: ") and msg in err and err.count("\n") == 1, err
+    assert _snapshot(existing_run) == before
+
+
+def test_global_batch_not_divisible_by_world_size(existing_run, monkeypatch, capsys):
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run),
+                               "--train.global_batch_size", "15", world_size=2)
+    assert rc == 2 and "train.global_batch_size (15) must be a positive multiple of data-parallel size (2)" in err
+
+
+def test_tokenizer_larger_than_the_model(existing_run, monkeypatch, capsys, big_tokenizer):
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), "--data.tokenizer", big_tokenizer,
+                               "--model.vocab_size", "512")
+    assert rc == 2 and "has 600 tokens but model.vocab_size is 512" in err
+
+
+def test_unwritable_run_directory(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(blocker / "run"))
+    assert rc == 2 and "is not writable" in err and "choose another directory" in err
+
+
+def _errors(stderr):
+    """The 'error: ...' lines of the ranks (a progress bar may share the line)."""
+    return [line[line.index("error: "):] for line in stderr.splitlines() if "error: " in line]
+
+
+def _bad_data_run(rd, *argv):
+    proc = debug_run(1, rd, "--train.steps", "2", *argv, check=False, timeout=120)
+    return proc.returncode, _errors(proc.stderr)
+
+
+@pytest.mark.parametrize("files, extra, msg", [
+    ({"a.txt": "", "b.txt": "  \n\n"}, [], "holds no non-empty document"),
+    ({"a.jsonl": json.dumps({"body": "hello"}) + "\n"}, [], "data.text_column: column 'text' not in"),
+    ({"a.jsonl": json.dumps({"text": 5}) + "\n"}, [], "holds int, not text"),
+    ({"a.txt": b"caf\xe9 latin-1"}, [], "is not valid UTF-8 (byte 3"),
+    ({"a.csv": "text\nhello"}, [], "use one of .txt, .jsonl, .parquet"),
+])
+def test_bad_data_fails_with_the_file_and_leaves_no_data_behind(tmp_path, files, extra, msg):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, content in files.items():
+        (src / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    rd = tmp_path / "run"
+    rc, err = _bad_data_run(rd, "--data.dataset", str(src), *extra)
+    assert rc != 0 and len(set(err)) == 1 and msg in err[0], err
+    assert not (rd / "data").exists() and not (rd / "metrics.jsonl").exists()
+
+
+def test_undecodable_bytes_can_be_replaced_on_request(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"caf\xe9 " * 2000)
+    cfg = data.DataConfig(dataset=str(src), decode_errors="replace")
+    assert next(data.iter_documents(cfg)).startswith("caf\ufffd ")
+
+
+def test_changed_data_settings_on_an_existing_run_are_refused(existing_run):
+    before = _snapshot(existing_run)
+    rc, err = _bad_data_run(existing_run, "--data.max_documents", "10", "--train.steps", "3")
+    assert rc != 0 and "was prepared with other data settings (data.max_documents: 400 -> 10)" in err[0]
+    assert _snapshot(existing_run) == before
+
+
+def test_nonfinite_gradient_stops_without_touching_the_last_checkpoint(tmp_path):
+    rd = tmp_path / "nan"
+    prepared_data_dir(rd)
+    proc = debug_run(2, rd, "--train.steps", "6", "--optim.lr", "1e30", "--optim.warmup_steps", "0",
+                     "--checkpoint.interval", "1", check=False, timeout=120)
+    err = _errors(proc.stderr)
+    assert proc.returncode != 0 and err and "step 2: gradient norm is nan" in err[0], proc.stderr[-2000:]
+    assert sorted(os.listdir(rd / "checkpoints")) == ["step_00000001"]
+
+
+def test_nonfinite_gradient_can_be_skipped(tmp_path):
+    rd = tmp_path / "skip"
+    prepared_data_dir(rd)
+    debug_run(1, rd, "--train.steps", "3", "--optim.lr", "1e30", "--optim.warmup_steps", "0",
+              "--train.nonfinite", "skip", "--checkpoint.interval", "1000")
+    recs = [r for r in metrics(rd) if "loss" in r]
+    assert [r["step"] for r in recs] == [1, 2, 3] and recs[-1].get("skipped") is True
