@@ -52,3 +52,18 @@ def test_metrics_records_and_validation(tmp_path):
     val = [r for r in recs if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 3] and all("loss" not in r for r in val)
     assert (rd / "config.toml").exists() and (rd / "checkpoints").is_dir()
+
+
+def test_a_tiny_odd_sized_corpus_runs_epochs_on_two_ranks_without_hanging(tmp_path):
+    """Uneven data cannot strand a rank: the global cursor gives every rank the same step count."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(7):
+        (src / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (3 + i))
+    rd = tmp_path / "run"
+    debug_run(2, rd, "--data.dataset", str(src), "--data.tokenizer_vocab_size", "300", "--data.seq_len", "16",
+              "--data.val_fraction", "0", "--train.global_batch_size", "4", "--train.steps", "12",
+              "--checkpoint.interval", "1000", timeout=180)
+    recs = [r for r in metrics(rd) if "loss" in r]
+    assert [r["step"] for r in recs] == list(range(1, 13))
+    assert recs[-1]["epoch"] >= 1  # the run went through the corpus more than once
