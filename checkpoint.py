@@ -23,6 +23,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -163,6 +164,14 @@ class Checkpointer:
         self._pending: tuple[Future, str, str] | None = None
         self._last_step = -1  # the same on every rank, unlike a directory listing during a commit
         self._async_group = dist.new_group(backend="gloo") if cfg.async_save else None
+        # One stager for the whole run: it keeps its CPU copy between saves, so the loop blocks
+        # only for a memcpy, not for allocating (and faulting in) a fresh copy every time.
+        # At most one save is in flight (save() waits first), so the copy is never overwritten mid-write.
+        self._stager = None
+        if cfg.async_save:
+            pinned = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
 
     def clean_partial(self) -> None:
         """Remove '.tmp' directories left by a crash (rank 0; call before the first save)."""
@@ -202,7 +211,8 @@ class Checkpointer:
         final = step_dir(self.root, step)
         tmp = final + ".tmp"
         if self.cfg.async_save:
-            fut = dcp.async_save({"app": state}, checkpoint_id=tmp, process_group=self._async_group)
+            fut = dcp.async_save({"app": state}, checkpoint_id=tmp, process_group=self._async_group,
+                                 async_stager=self._stager)
             self._pending = (fut, tmp, final)
         else:
             dcp.save({"app": state}, checkpoint_id=tmp)
@@ -221,6 +231,13 @@ class Checkpointer:
         self._pending = None
         fut.result()
         self._commit(tmp, final)
+
+    def close(self) -> None:
+        """Finish the in-flight save and free the asynchronous staging copy."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _commit(self, tmp: str, final: str) -> None:
         if self.rank != 0:

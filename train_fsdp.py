@@ -612,7 +612,7 @@ def train(s: Session, loss_context=contextlib.nullcontext) -> None:
                 bar.write(f"[train] SIGTERM: saved step {step} in {ckpt.root}; run the same command to resume")
             break
         t_last += time.perf_counter() - paused  # validation and saving are not training throughput
-    ckpt.wait()
+    ckpt.close()
     bar.close()
     if rank == 0:
         print(f"[train] done at step {train_state.step}; peak memory {peak_memory_gib(device):.2f} GiB on rank 0",

@@ -1,0 +1,99 @@
+"""Checkpoint save/load time and size, and how long the loop waits with async saves.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_bench.py --config configs/debug.toml \
+        --run_dir /tmp/ckpt_bench [--model.preset llama_125m --data.seq_len 128] [--repeats 3]
+
+Builds the run's model and optimizer (synthetic step, no data pipeline), then per repeat:
+a synchronous save, a load, and an asynchronous save of which it times the part the loop
+blocks for (staging to CPU) and the whole write. Prints medians (min..max) from rank 0.
+Seconds are wall time; sizes are bytes on disk of one checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_fsdp  # noqa: E402
+from checkpoint import AppState, TrainState  # noqa: E402
+from data import DataState  # noqa: E402
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _fmt(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} s ({min(xs):.3f}..{max(xs):.3f})"
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    repeats = 3
+    if "--repeats" in argv:
+        i = argv.index("--repeats")
+        repeats = int(argv[i + 1])
+        del argv[i:i + 2]
+    cfg = train_fsdp.parse_config(argv)
+    rank, world, device = train_fsdp.init_distributed(cfg)
+    mesh = train_fsdp.init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    with torch.device("meta"):
+        model = train_fsdp.Transformer(cfg.model)
+    train_fsdp.parallelize(model, mesh, cfg, device)
+    train_fsdp.materialize(model, device, cfg)
+    optimizer, scheduler = train_fsdp.build_optimizer(model, cfg, device)
+    # One synthetic step so the optimizer state exists and is written.
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.data.seq_len + 1), device=device)
+    n = tokens.numel() - 1
+    train_fsdp.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], n * world, world, device,
+                                train_fsdp.contextlib.nullcontext)
+    train_fsdp.optimizer_step(model, optimizer, 1.0, device)
+    app = AppState(model, optimizer, scheduler, TrainState(step=1), DataState(), rank)
+    root = os.path.join(cfg.run_dir, "bench_ckpt")
+    gloo = dist.new_group(backend="gloo")
+    # As checkpoint.Checkpointer does: one stager whose CPU copy is reused by every save.
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    saves, loads, blocked, async_total, size = [], [], [], [], 0
+    for r in range(repeats):
+        path = os.path.join(root, f"sync{r}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.save({"app": app}, checkpoint_id=path)
+        dist.barrier()
+        saves.append(time.perf_counter() - t0)
+        size = _dir_bytes(path)
+        t0 = time.perf_counter()
+        dcp.load({"app": app}, checkpoint_id=path)
+        dist.barrier()
+        loads.append(time.perf_counter() - t0)
+        path = os.path.join(root, f"async{r}")
+        dist.barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save({"app": app}, checkpoint_id=path, process_group=gloo, async_stager=stager)
+        blocked.append(time.perf_counter() - t0)
+        fut.result()
+        dist.barrier()
+        async_total.append(time.perf_counter() - t0)
+    if rank == 0:
+        n_params = train_fsdp.num_params(cfg.model)
+        print(f"model {n_params / 1e6:.1f}M params, world {world}, checkpoint {size / 2 ** 20:.1f} MiB on disk")
+        print(f"sync save   {_fmt(saves)}")
+        print(f"load        {_fmt(loads)}")
+        print(f"async save  loop blocked {_fmt(blocked)}, written after {_fmt(async_total)}")
+        frac = statistics.median(blocked) / statistics.median(saves)
+        print(f"async: the loop waits {frac:.0%} of a synchronous save")
+        shutil.rmtree(root, ignore_errors=True)
+    stager.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
