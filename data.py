@@ -432,3 +432,51 @@ def val_batches(corpus: PackedCorpus, max_sequences: int, micro_batch_size: int,
         w = torch.from_numpy(np.stack([corpus.val_sample(j) for j in idx[i:i + micro_batch_size]]))
         out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: prepare a run's data ahead of training, or train a tokenizer alone.
+
+        python data.py prepare --config FILE.toml --run_dir DIR [--data.field value ...]
+        python data.py tokenizer --config FILE.toml --out tokenizer.json [--data.field value ...]
+
+    `prepare` writes what a training run would write into DIR/data (tokenizer.json,
+    tokens.bin, meta.json), so a long tokenization need not happen inside the process
+    group's timeout. Exit status 2 with one line on bad input.
+    """
+    import sys
+
+    import train_fsdp  # the root config lives there; imported here only, to keep data.py model-free
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("prepare", "tokenizer"):
+        print(main.__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    out = None
+    if command == "tokenizer":
+        if "--out" not in rest or rest.index("--out") + 1 >= len(rest):
+            print("error: tokenizer needs --out PATH", file=sys.stderr)
+            return 2
+        i = rest.index("--out")
+        out = rest[i + 1]
+        del rest[i:i + 2]
+    try:
+        cfg = train_fsdp.parse_config(rest)
+        check_source(cfg.data)
+        if command == "prepare":
+            meta = prepare(cfg.data, os.path.join(cfg.run_dir, "data"))
+            print(json.dumps({k: v for k, v in meta.items() if k != "config"}))
+        else:
+            tok = train_tokenizer(iter_documents(cfg.data), cfg.data.tokenizer_vocab_size,
+                                  cfg.data.tokenizer_train_chars)
+            tok.save(out)
+            print(f"wrote {out}: {tok.get_vocab_size()} tokens")
+    except (DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

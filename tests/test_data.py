@@ -157,3 +157,16 @@ def test_stdlib_default_corpus_exists_offline():
     files = data.stdlib_files()
     assert len(files) > 100 and all(f.endswith(".py") for f in files)
     assert not any("site-packages" in f for f in files)
+
+
+def test_prepare_and_tokenizer_commands(tmp_path, capsys):
+    from launch import DEBUG
+
+    assert data.main(["prepare", "--config", DEBUG, "--run_dir", str(tmp_path), "--data.max_documents", "20"]) == 0
+    meta = json.loads(capsys.readouterr().out)
+    assert meta["n_documents"] == 20 and (tmp_path / "data" / "tokens.bin").stat().st_size == 4 * meta["n_tokens"]
+    out = tmp_path / "tok.json"
+    assert data.main(["tokenizer", "--config", DEBUG, "--out", str(out), "--data.max_documents", "5",
+                      "--data.tokenizer_vocab_size", "400"]) == 0
+    assert data.load_tokenizer(str(out)).get_vocab_size() == 400
+    assert data.main(["tokenizer", "--config", DEBUG]) == 2
