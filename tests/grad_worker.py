@@ -1,0 +1,83 @@
+"""Losses and whole gradients of a run's first steps, for parity tests across parallel layouts.
+
+    torchrun --nproc_per_node=N tests/grad_worker.py --out FILE [--tp T] --config configs/debug.toml \
+        --run_dir DIR --train.steps S [--section.field VALUE ...]
+
+Builds the run as the trainers do (train_fsdp.build; with --tp T > 1 on the ("dp", "tp") mesh
+with train_2d's plan and loss_parallel), then per step: forward_backward, every gradient
+gathered as a full tensor (before clipping), optimizer_step, LR schedule. Rank 0 saves with
+torch.save a dict:
+
+    losses       [float]                 mean token loss of each step's global batch
+    grad_norms   [float]                 pre-clip global gradient norm of each step
+    grads        [{name: Tensor}]        each step's full fp32 gradients, keyed by parameter name
+    replicated   {name: float}           after the last step, for parameters replicated over
+                                         "tp": the largest |difference| between TP ranks' copies
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train_2d  # noqa: E402
+import train_fsdp  # noqa: E402
+
+
+def replica_spread(model, tp_mesh) -> dict[str, float]:
+    """Largest |difference| between TP ranks' local copies of each parameter replicated over "tp"."""
+    out = {}
+    group = tp_mesh.get_group()
+    for name, p in model.named_parameters():
+        tp_dim = p.device_mesh.mesh_dim_names.index("tp")
+        if not p.placements[tp_dim].is_replicate():
+            continue
+        local = p.to_local().detach().contiguous()
+        copies = [torch.empty_like(local) for _ in range(tp_mesh.size())]
+        dist.all_gather(copies, local, group=group)
+        out[name] = max((c - local).abs().max().item() for c in copies)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True, help="file that rank 0 writes")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1: FSDP only)")
+    args, overrides = parser.parse_known_args()
+    cfg = train_fsdp.parse_config([*overrides, "--parallel.tp", str(args.tp)])
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.tp > 1:
+        train_2d.validate_tp(cfg, world)
+    train_fsdp.validate(cfg, world, args.tp)
+    rank, world, device = train_fsdp.init_distributed(cfg)
+    plan = train_2d.tensor_parallel if args.tp > 1 else None
+    loss_context = train_2d.loss_parallel if args.tp > 1 else contextlib.nullcontext
+    s = train_fsdp.build(cfg, rank, world, device, tensor_parallel=plan, resume=False)
+    n_targets = cfg.train.global_batch_size * cfg.data.seq_len
+    result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {}}
+    for _ in range(cfg.train.steps):
+        loss_sum = train_fsdp.forward_backward(s.model, s.loader.next_step(), n_targets, s.dp, device, loss_context)
+        dist.all_reduce(loss_sum, group=s.mesh["dp"].get_group())
+        result["losses"].append(loss_sum.item() / n_targets)
+        # clone: on one rank full_tensor() may share storage with the gradient, which clipping scales in place
+        result["grads"].append({name: p.grad.full_tensor().detach().float().cpu().clone()
+                                for name, p in s.model.named_parameters()})
+        norm = train_fsdp.optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, device)
+        result["grad_norms"].append(norm.item())
+        s.scheduler.step()
+    if args.tp > 1:
+        result["replicated"] = replica_spread(s.model, s.mesh["tp"])
+    if rank == 0:
+        torch.save(result, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

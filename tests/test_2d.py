@@ -1,0 +1,151 @@
+"""train_2d.py (TP/SP inside a node, FSDP2 across) against one process on CPU/gloo: losses and
+whole gradients, replicated norm weights, checkpoints shared with train_fsdp.py both ways, and
+layouts that cannot split failing before any collective."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_2d
+import train_fsdp
+from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir, torchrun
+from model import PRESETS
+
+STEPS = 3
+FAST = ["--checkpoint.interval", "1000", "--train.val_interval", "0"]
+LOSS_RTOL = 1e-5
+# Per-tensor relative L2 error of a whole gradient; reduction order alone gives ~2e-6 here,
+# a gradient missing a reduction over TP or DP is off by O(1).
+GRAD_RTOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """worker(nproc, tp, *overrides): tests/grad_worker.py's result over STEPS steps, run once per module."""
+    cache = {}
+
+    def get(nproc: int, tp: int, *overrides: str) -> dict:
+        key = (nproc, tp, *overrides)
+        if key not in cache:
+            rd = tmp_path_factory.mktemp(f"grads_{nproc}_tp{tp}")
+            prepared_data_dir(rd)
+            out = rd / "result.pt"
+            torchrun(nproc, "tests/grad_worker.py", "--out", str(out), "--tp", str(tp), "--config", DEBUG,
+                     "--run_dir", str(rd), "--train.steps", str(STEPS), *FAST, *overrides, timeout=240)
+            cache[key] = torch.load(out)
+        return cache[key]
+
+    return get
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("nproc, tp, overrides", [
+    (2, 2, ("--train.micro_batch_size", "4")),  # and 4 accumulated micro-batches against one batch of 16
+    (4, 2, ()),
+], ids=["dp1xtp2_accumulating", "dp2xtp2"])
+def test_2d_losses_and_gradients_match_one_process(worker, nproc, tp, overrides):
+    ref, got = worker(1, 1), worker(nproc, tp, *overrides)
+    assert len(got["losses"]) == len(ref["losses"]) == STEPS
+    for step in range(STEPS):
+        assert rel(got["losses"][step], ref["losses"][step]) <= LOSS_RTOL, f"step {step + 1} loss"
+        assert rel(got["grad_norms"][step], ref["grad_norms"][step]) <= LOSS_RTOL, f"step {step + 1} grad norm"
+        want, have = ref["grads"][step], got["grads"][step]
+        assert have.keys() == want.keys()
+        for name, g in want.items():
+            assert have[name].shape == g.shape, name
+            err = ((have[name] - g).norm() / g.norm()).item()
+            assert err <= GRAD_RTOL, f"step {step + 1} {name}: relative gradient error {err:.2e}"
+
+
+def test_replicated_norm_weights_stay_identical_across_tp_ranks(worker):
+    # Their gradients are compared with one process above: each TP rank sees a slice of the
+    # sequence, so an unreduced gradient would be a partial sum.
+    spread = worker(4, 2)["replicated"]
+    n_layers = PRESETS["debug"]["n_layers"]
+    norms = {f"layers.{i}.{n}.weight" for i in range(n_layers) for n in ("attention_norm", "ffn_norm")}
+    assert set(spread) == norms | {"norm.weight"}
+    assert all(v == 0.0 for v in spread.values()), spread
+
+
+def test_checkpoints_continue_the_run_from_fsdp_to_2d_and_back(tmp_path, worker):
+    # One step each: train_fsdp.py on 1 rank, train_2d.py on dp2 x tp2 resuming from it, then
+    # train_fsdp.py on 1 rank resuming from the 2D checkpoint; DCP reshards at every change.
+    rd = tmp_path / "run"
+    prepared_data_dir(rd)
+    for step, (nproc, script, tp) in enumerate([(1, "train_fsdp.py", 1), (4, "train_2d.py", 2),
+                                                (1, "train_fsdp.py", 1)], start=1):
+        tp_args = ["--parallel.tp", str(tp)] if tp > 1 else []
+        # All steps are in the LR warmup, so the schedule does not depend on train.steps.
+        debug_run(nproc, rd, "--train.steps", str(step), "--checkpoint.interval", "1", "--train.val_interval", "0",
+                  *tp_args, script=script, timeout=240)
+    assert [r["step"] for r in metrics(rd) if "loss" in r] == [1, 2, 3]  # each run resumed, none restarted
+    uninterrupted = worker(1, 1)["losses"]
+    got = losses(rd)
+    for step in (1, 2, 3):
+        assert rel(got[step], uninterrupted[step - 1]) <= LOSS_RTOL, f"step {step}"
+
+
+BAD_LAYOUTS = [
+    (["--parallel.tp", "3"], 6, "model.n_heads (4) is not divisible by parallel.tp (3)"),
+    (["--parallel.tp", "4"], 4, "model.n_kv_heads (2) is not divisible by parallel.tp (4)"),
+    (["--parallel.tp", "2", "--model.ffn_dim", "385"], 4, "model.ffn_dim (385) is not divisible by parallel.tp (2)"),
+    (["--parallel.tp", "2", "--data.seq_len", "127"], 4, "data.seq_len (127) is not divisible by parallel.tp (2)"),
+    (["--parallel.tp", "2"], 3, "world size 3 is not divisible by parallel.tp (2)"),
+]
+
+
+@pytest.mark.parametrize("argv, world_size, message", BAD_LAYOUTS, ids=lambda v: str(v))
+def test_bad_layout_fails_before_the_process_group(monkeypatch, capsys, tmp_path, argv, world_size, message):
+    def reached(*args, **kwargs):
+        raise AssertionError("the process group was being created: the layout was not checked first")
+
+    monkeypatch.setattr(train_fsdp, "init_distributed", reached)
+    monkeypatch.setattr(torch.distributed, "init_process_group", reached)
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    rd = tmp_path / "run"
+    rc = train_2d.main(["--config", DEBUG, "--run_dir", str(rd), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+    if "world size" not in message:
+        assert "use parallel.tp in [1, 2]" in err or "use parallel.tp in [1]" in err
+    assert not rd.exists()  # checked before train_fsdp.validate, which creates the run directory
+
+
+def test_tp_larger_than_the_node_fails(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rc = train_2d.main(["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--train.device", "cuda",
+                        "--parallel.tp", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "parallel.tp (2) is larger than the 1 GPU(s) of this node" in err, err
+
+
+def test_cli_exits_2_without_waiting_for_peers(tmp_path):
+    # Rank 0 of 4 with no peers: creating the process group would block until the timeout.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": port}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_2d.py"), "--config", DEBUG,
+                           "--run_dir", str(tmp_path / "run"), "--parallel.tp", "4"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: model.n_kv_heads (2) is not divisible by parallel.tp (4)"), proc.stderr
+
+
+def test_gpu_node_preset_fits_its_layout():
+    cfg = train_fsdp.parse_config(["--config", os.path.join(ROOT, "configs", "llama3_8b_2d.toml")])
+    world = 8  # one node of 8 GPUs, as its header says
+    train_2d.validate_tp(cfg, world)
+    dp = world // cfg.parallel.tp
+    assert cfg.parallel.tp > 1 and cfg.train.dtype == "bfloat16"
+    assert cfg.train.global_batch_size % (dp * cfg.train.micro_batch_size) == 0

@@ -1,0 +1,116 @@
+"""Pretrain a Llama model on a 2D mesh: tensor + sequence parallel inside a node, FSDP2 across.
+
+    torchrun --standalone --nproc_per_node=N train_2d.py --config configs/debug.toml --run_dir DIR --parallel.tp T
+
+The mesh is ("dp", "tp") of shape (N / T, T); consecutive ranks form a TP group, so with
+torchrun's rank order a TP group stays inside one node. Each block is split by the plan
+below (Megatron-style column/row-parallel linears, sequence-parallel norms and residual
+stream), then train_fsdp.py shards the result with ``fully_shard`` on the "dp" sub-mesh and
+runs its own loop; checkpoints hold the same keys as train_fsdp.py's and load into either.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+import train_fsdp
+from model import Transformer
+
+# Between blocks the residual stream is sharded on the sequence (Shard(1), a plain local
+# tensor of shape (batch, seq / tp, dim)); the norms run on that shard and their weights
+# are replicated. Attention and the MLP need the whole sequence, so their input is
+# all-gathered; wo/w2 reduce-scatter their partial sums back to sequence shards. Attention's
+# cos/sin tables are plain tensors every rank holds whole (layout None).
+PLAN = {
+    "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "layers.*.attention_norm": SequenceParallel(),
+    "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                             desired_input_layouts=(Replicate(), None, None)),
+    "layers.*.attention.wq": ColwiseParallel(),
+    "layers.*.attention.wk": ColwiseParallel(),
+    "layers.*.attention.wv": ColwiseParallel(),
+    "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+    "layers.*.ffn_norm": SequenceParallel(),
+    "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "layers.*.feed_forward.w1": ColwiseParallel(),
+    "layers.*.feed_forward.w3": ColwiseParallel(),
+    "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    "norm": SequenceParallel(),
+    # Logits stay sharded on the vocabulary (a DTensor, Shard(-1)): loss_parallel computes
+    # the cross-entropy without gathering (batch, seq, vocab) on any rank.
+    "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+}
+
+
+def tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Apply PLAN to a (meta-device) model in place over the 1-D "tp" mesh.
+
+    Parameters become DTensors on tp_mesh: column-parallel weights Shard(0), row-parallel
+    ones Shard(1), the embedding Shard(0) (vocabulary rows), norm weights Replicate. The
+    gradients of replicated norm weights are partial sums over the TP group (each rank saw
+    a slice of the sequence); FSDP2 redistributes them to Replicate (an all-reduce over TP)
+    before its reduce-scatter over "dp". No values are copied: src_data_rank=None, weights
+    are filled afterwards by model.init_weights.
+    """
+    parallelize_module(model, tp_mesh, PLAN, src_data_rank=None)
+
+
+def validate_tp(cfg: train_fsdp.Config, world_size: int) -> None:
+    """Checks of the 2D layout that need no collective (run before the process group exists).
+
+    Raises train_fsdp.SetupError, naming the numbers and the fix, when a size the plan splits
+    evenly over the TP ranks is not divisible by parallel.tp (model.n_heads, model.n_kv_heads,
+    model.ffn_dim, data.seq_len), when world_size is not a multiple of parallel.tp, or, on
+    CUDA, when parallel.tp exceeds the GPUs of one node (a TP group communicates in every
+    layer and must not span nodes).
+    """
+    tp, m = cfg.parallel.tp, cfg.model
+    if tp < 1:
+        raise train_fsdp.SetupError(f"parallel.tp must be >= 1, got {tp}")
+    # Left unchecked, each of these fails only later, inside a collective or a matmul on one rank.
+    split = {
+        "model.n_heads": (m.n_heads, "each TP rank must hold whole query heads"),
+        "model.n_kv_heads": (m.n_kv_heads, "each TP rank must hold whole key/value heads"),
+        "model.ffn_dim": (m.ffn_dim, "w1/w3 columns and w2 rows are split evenly"),
+        "data.seq_len": (cfg.data.seq_len, "sequence parallelism splits every sequence evenly"),
+    }
+    for name, (size, why) in split.items():
+        if size % tp:
+            valid = [d for d in range(1, m.n_kv_heads + 1) if all(v % d == 0 for v, _ in split.values())]
+            raise train_fsdp.SetupError(
+                f"{name} ({size}) is not divisible by parallel.tp ({tp}): {why}; use parallel.tp in {valid} "
+                f"or change {name}"
+            )
+    if world_size % tp:
+        raise train_fsdp.SetupError(
+            f"world size {world_size} is not divisible by parallel.tp ({tp}); launch a multiple of {tp} processes "
+            f"or change parallel.tp"
+        )
+    # Without any visible GPU, train_fsdp.validate reports the device instead.
+    on_cuda = train_fsdp.resolve_device(cfg, 0).type == "cuda" and torch.cuda.is_available()
+    if on_cuda and tp > torch.cuda.device_count():
+        raise train_fsdp.SetupError(
+            f"parallel.tp ({tp}) is larger than the {torch.cuda.device_count()} GPU(s) of this node; a TP group "
+            f"must stay inside one node: use parallel.tp <= {torch.cuda.device_count()}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: train_fsdp.main with this plan, loss_parallel and validate_tp; exit status 2 on bad input."""
+    return train_fsdp.main(argv, tensor_parallel=tensor_parallel, loss_context=loss_parallel,
+                           description=__doc__, check=validate_tp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
