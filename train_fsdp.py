@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import config as config_lib
 import data as data_lib
+import hf
 from checkpoint import AppState, CheckpointConfig, CheckpointError, Checkpointer, TrainState, check_compatible
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import PRESETS, ModelArgs, Transformer, flops_per_token, num_params
@@ -112,6 +113,8 @@ class Config:
     """Sharding options."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpoint interval, retention, async saving, explicit resume path."""
+    init_from_hf: str = ""
+    """Hugging Face Llama folder whose weights replace the random init when the run has no checkpoint yet (continued pretraining); [model] must match its config.json, and data.tokenizer defaults to its tokenizer.json."""
 
 
 class SetupError(ValueError):
@@ -168,6 +171,12 @@ def validate(cfg: Config, world_size: int, tp: int) -> None:
     if cfg.parallel.cpu_offload and resolve_device(cfg, 0).type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")
     data_lib.check_source(d)
+    if cfg.init_from_hf:
+        try:
+            hf.check_args(cfg.init_from_hf, cfg.model)
+            d.tokenizer = d.tokenizer or hf.tokenizer_path(cfg.init_from_hf)
+        except hf.HFError as e:
+            raise SetupError(f"--init_from_hf: {e}") from None
     if d.tokenizer:
         tok = data_lib.load_tokenizer(d.tokenizer)
         check_vocab(tok.get_vocab_size(), cfg.model.vocab_size, d.tokenizer)
@@ -282,12 +291,12 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
-    """AdamW (fused on CUDA) with decay on matrices only, and its warmup + cosine LambdaLR."""
+    """AdamW (fused kernel on CUDA and CPU) with decay on matrices only, and its warmup + cosine LambdaLR."""
     o = cfg.optim
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device.type == "cuda" and not cfg.parallel.cpu_offload
+    fused = not cfg.parallel.cpu_offload  # torch >= 2.4 has fused AdamW on CPU too
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
     schedule = functools.partial(lr_factor, warmup_steps=o.warmup_steps, total_steps=cfg.train.steps,
                                  min_ratio=o.min_lr_ratio)
@@ -529,6 +538,8 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device,
     path = on_rank0(find_resume, rank) if resume else None
     if path is not None:
         ckpt.load(path, app)
+    elif cfg.init_from_hf:  # every rank reads the folder and keeps its own shards: no communication
+        hf.load_hf_into(model, cfg.init_from_hf, copy_=copy_sharded)
     return Session(cfg, rank, device, mesh, dp, model, optimizer, scheduler, corpus, loader, micro,
                    train_state, ckpt, app, meta, path)
 
@@ -555,7 +566,8 @@ def train(s: Session, loss_context=contextlib.nullcontext) -> None:
               f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
               f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
               f"{s.corpus.n_val} val sequences | "
-              + (f"resumed from {s.resumed_from} at step {train_state.step}" if s.resumed_from else "fresh start"),
+              + (f"resumed from {s.resumed_from} at step {train_state.step}" if s.resumed_from else
+                 f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start"),
               flush=True)
 
     stop = StopFlag()
@@ -632,7 +644,7 @@ def main(argv: list[str] | None = None, tensor_parallel=None, loss_context=conte
         if check is not None:
             check(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         run(cfg, tensor_parallel, loss_context)
-    except (config_lib.ConfigError, SetupError, TrainingError, data_lib.DataError, CheckpointError) as e:
+    except (config_lib.ConfigError, SetupError, TrainingError, data_lib.DataError, CheckpointError, hf.HFError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

@@ -1,0 +1,205 @@
+"""Sample text from a checkpoint (or an exported/imported Hugging Face Llama folder) with a KV cache.
+
+    python generate.py --run_dir DIR [--checkpoint CKPT] --prompt "def main(" --max_new_tokens 200 \\
+        --temperature 0.8 --top_k 50 --top_p 0.95 --seed 0 --num_samples 2
+    python generate.py --hf HF_DIR --prompt "..."            # a folder written by `hf.py export`
+
+The cached forward below reuses model.py's modules and weights (RMSNorm, wq/wk/wv/wo,
+apply_rope, FeedForward) and leaves the training forward untouched: it only adds the key and
+value cache and the position offset that decoding one token at a time needs.
+Prompts are prefixed with [EOT], the token that precedes every document in training.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model import Attention, Transformer, apply_rope
+
+
+class KVCache:
+    """Keys and values of every layer for one batch: (n_layers, batch, max_len, n_kv_heads, head_dim) each."""
+
+    def __init__(self, model: Transformer, batch: int, max_len: int, dtype: torch.dtype, device):
+        a = model.args
+        shape = (a.n_layers, batch, max_len, a.n_kv_heads, a.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _attention(attn: Attention, x: Tensor, cos: Tensor, sin: Tensor, cache_k: Tensor, cache_v: Tensor,
+               start: int) -> Tensor:
+    """Attention.forward for positions [start, start + seq) given the cached keys/values before start."""
+    bsz, seq_len, _ = x.shape
+    q = attn.wq(x).view(bsz, seq_len, -1, attn.head_dim)
+    k = attn.wk(x).view(bsz, seq_len, -1, attn.head_dim)
+    v = attn.wv(x).view(bsz, seq_len, -1, attn.head_dim)
+    # apply_rope takes positions 0.. of the tables it gets: hand it the tables from start on.
+    q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
+    end = start + seq_len
+    cache_k[:, start:end] = k
+    cache_v[:, start:end] = v
+    n_rep = q.shape[2] // k.shape[2]
+    q, keys, values = q.transpose(1, 2), cache_k[:, :end].transpose(1, 2), cache_v[:, :end].transpose(1, 2)
+    if n_rep > 1:
+        keys = keys.repeat_interleave(n_rep, dim=1)
+        values = values.repeat_interleave(n_rep, dim=1)
+    # Query i sits at position start + i and sees keys 0..start + i; one new token sees all.
+    mask = None
+    if seq_len > 1:
+        mask = torch.ones(seq_len, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return attn.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+@torch.no_grad()
+def forward_cached(model: Transformer, tokens: Tensor, cache: KVCache, start: int) -> Tensor:
+    """Logits of the last position, given tokens (batch, seq) int64 at positions [start, start + seq).
+
+    Fills cache for those positions. Returns fp32 logits (batch, vocab_size).
+    Raises ValueError past the model's RoPE table (max_seq_len) or the cache length.
+    """
+    end = start + tokens.shape[1]
+    if end > min(model.args.max_seq_len, cache.k.shape[2]):
+        raise ValueError(f"position {end} exceeds model.max_seq_len {model.args.max_seq_len} or the cache length")
+    h = model.tok_embeddings(tokens)
+    for i, layer in enumerate(model.layers):
+        h = h + _attention(layer.attention, layer.attention_norm(h), model.rope_cos, model.rope_sin,
+                           cache.k[i], cache.v[i], start)
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    return model.output(model.norm(h[:, -1])).float()
+
+
+def warp_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Sampling filters on fp32 logits (batch, vocab): divide by temperature (> 0), keep the top_k
+    most likely tokens (0: all), then the smallest set whose probability reaches top_p (nucleus
+    sampling, Holtzman et al. 2020; 1.0: all). Removed tokens get -inf; at least one stays.
+
+    The same order and rules as transformers' Temperature, TopK and TopP logits warpers.
+    """
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        # Ascending: drop the unlikely tail whose total probability stays within 1 - top_p.
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[:, -1] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_next(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> Tensor:
+    """Next token ids (batch,) int64 from fp32 logits (batch, vocab); temperature 0 is greedy (argmax).
+
+    Otherwise draws from softmax(warp_logits(...)) with generator. Raises ValueError for
+    temperature < 0, top_k < 0 or top_p outside (0, 1].
+    """
+    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got {temperature}, {top_k}, {top_p}")
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_ids, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int | None = 0, stop_ids=()) -> list[int]:
+    """Continue one prompt: prompt_ids (a non-empty sequence of ints) -> the new token ids (list of int).
+
+    Decodes one token per step with a KV cache, stopping after max_new_tokens tokens or
+    after a token in stop_ids (which is included). temperature 0 is greedy decoding; seed
+    seeds the sampling generator (None: torch's global generator). Runs on the model's
+    device and parameter dtype. Raises ValueError for an empty prompt, a token outside the
+    vocabulary, or prompt + max_new_tokens longer than model.max_seq_len.
+    """
+    device = model.tok_embeddings.weight.device
+    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device).view(1, -1)
+    vocab, limit = model.args.vocab_size, model.args.max_seq_len
+    if prompt.numel() == 0:
+        raise ValueError("prompt_ids is empty; start from at least one token (e.g. [EOT])")
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+        raise ValueError(f"prompt_ids must be in [0, {vocab}), got {int(prompt.min())}..{int(prompt.max())}")
+    if prompt.shape[1] + max_new_tokens > limit:
+        raise ValueError(f"prompt ({prompt.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"model.max_seq_len {limit}; shorten one of them")
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=device).manual_seed(seed)
+    cache = KVCache(model, 1, prompt.shape[1] + max_new_tokens, model.tok_embeddings.weight.dtype, device)
+    stop = set(stop_ids)
+    out: list[int] = []
+    logits = forward_cached(model, prompt, cache, 0)
+    pos = prompt.shape[1]
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, gen)
+        out.append(int(nxt))
+        if out[-1] in stop or len(out) == max_new_tokens:
+            break
+        logits = forward_cached(model, nxt.view(1, 1), cache, pos)
+        pos += 1
+    return out
+
+
+def _cast_parameters(model: Transformer, dtype: torch.dtype) -> None:
+    # Parameters only: Module.to(dtype) would also round the fp32 RoPE tables.
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line; bad input exits with status 2 and a one-line message."""
+    from tokenizers import Tokenizer
+
+    import hf
+    from checkpoint import CheckpointError
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run_dir", help="training run directory (its newest complete checkpoint unless --checkpoint)")
+    src.add_argument("--hf", help="a Hugging Face Llama folder (safetensors + tokenizer.json with [EOT])")
+    p.add_argument("--checkpoint", default="", help="checkpoint directory of the run (default: newest complete)")
+    p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")
+    p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling threshold (1: off)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="e.g. cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    a = p.parse_args(argv)
+    try:
+        if a.hf:
+            args, _ = hf.read_hf_folder(a.hf)
+            model, tok_path = Transformer(args), hf.tokenizer_path(a.hf)
+            hf.load_hf_into(model, a.hf)
+        else:
+            model, tok_path = hf.load_model(a.run_dir, a.checkpoint)
+        model.eval().to(a.device)
+        _cast_parameters(model, getattr(torch, a.dtype))
+        tok = Tokenizer.from_file(tok_path)
+        eot = tok.token_to_id("[EOT]")
+        if eot is None:
+            raise hf.HFError(f"tokenizer '{tok_path}' has no [EOT] token to start a document with")
+        prompt = [eot] + tok.encode(a.prompt, add_special_tokens=False).ids
+        for i in range(a.num_samples):
+            new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed + i, (eot,))
+            print(f"--- sample {i} (seed {a.seed + i})")
+            # Decode prompt and continuation together: a character may span both (byte-level BPE).
+            print(tok.decode(prompt + new, skip_special_tokens=True), flush=True)
+    except (hf.HFError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

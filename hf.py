@@ -1,0 +1,447 @@
+"""The one adapter between this project's Llama and Hugging Face's ``LlamaForCausalLM``.
+
+    python hf.py export --run_dir DIR --out HF_DIR [--checkpoint CKPT] [--dtype bfloat16] [--max_shard_size 5GB]
+
+Export reads a DCP checkpoint (saved at any world size or layout) without a process group
+and writes a folder that ``transformers`` loads offline: config.json, model.safetensors
+(or shards + model.safetensors.index.json), generation_config.json, tokenizer.json,
+tokenizer_config.json and special_tokens_map.json. Import (``load_hf_into``) fills a model,
+whole or FSDP/TP-sharded, from such a folder or any Llama checkpoint in safetensors.
+
+The math needs no conversion, only names (PITFALLS: export that silently changes the math):
+- RoPE: model.py already uses Hugging Face's "rotate half" layout, so q/k rows are copied
+  as they are (Meta's original checkpoints need a permutation; these do not).
+- RMSNorm: both normalise in fp32, cast back, then multiply by the weight; eps is copied.
+- Embeddings are untied (tie_word_embeddings false); no biases anywhere.
+- Special tokens: the training stream puts [EOT] after every document and never uses
+  [BOT], so [EOT] is what precedes a document. As in GPT-2, it is both bos and eos;
+  [PAD] is pad. No token is added automatically when encoding (same ids as data.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import warnings
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from checkpoint import CheckpointError, check_compatible, complete_checkpoints, read_metadata
+from config import ConfigError
+from model import ModelArgs, Transformer
+
+# ---------------------------------------------------------------- the name mapping
+
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER = {  # inside layers.{i} / model.layers.{i}
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",  # silu branch
+    "feed_forward.w3.weight": "mlp.up_proj.weight",  # linear branch
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_TOP_BACK = {v: k for k, v in _TOP.items()}
+# Buffers some older exports saved; recomputed from the config, never weights.
+_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+class HFError(ValueError):
+    """A folder that is not a usable Hugging Face Llama, or bad export input; one-line message."""
+
+
+def to_hf_name(name: str) -> str:
+    """Our parameter name (e.g. 'layers.3.attention.wq.weight') -> HF's ('model.layers.3.self_attn.q_proj.weight').
+
+    Raises HFError for a name outside the mapping.
+    """
+    if name in _TOP:
+        return _TOP[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    raise HFError(f"parameter '{name}' has no Hugging Face Llama name")
+
+
+def from_hf_name(name: str) -> str:
+    """HF LlamaForCausalLM tensor name -> ours; raises HFError for a name outside the mapping."""
+    if name in _TOP_BACK:
+        return _TOP_BACK[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER_BACK:
+        return f"layers.{m.group(1)}.{_LAYER_BACK[m.group(2)]}"
+    raise HFError(f"tensor '{name}' is not a Llama weight this model has (attention/MLP biases or "
+                  f"another architecture?)")
+
+
+def to_hf_config(args: ModelArgs, bos_id: int, eos_id: int, pad_id: int | None, dtype: torch.dtype) -> dict:
+    """config.json of LlamaForCausalLM for a model of shape args.
+
+    rope_theta is written both at top level (transformers 4.x) and in rope_parameters (5.x).
+    """
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": args.vocab_size, "hidden_size": args.dim, "intermediate_size": args.ffn_dim,
+        "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "head_dim": args.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "tie_word_embeddings": False,
+        "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+        "torch_dtype": dtype_name, "dtype": dtype_name,
+    }
+
+
+def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
+    """ModelArgs from a parsed config.json; raises HFError if the model is not a plain Llama we can run."""
+    if cfg.get("model_type") != "llama":
+        raise HFError(f"'{where}' describes a '{cfg.get('model_type')}' model, not 'llama'")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    unsupported = [f"{k}={cfg.get(k)!r}" for k, ok in (("hidden_act", "silu"), ("attention_bias", False),
+                                                       ("mlp_bias", False)) if cfg.get(k, ok) != ok]
+    if rope_type != "default":
+        unsupported.append(f"rope_type={rope_type!r}")
+    if unsupported:
+        raise HFError(f"'{where}' uses {', '.join(unsupported)}, which model.py does not implement")
+    try:
+        heads = cfg["num_attention_heads"]
+        if cfg.get("head_dim") not in (None, cfg["hidden_size"] // heads):
+            raise HFError(f"'{where}': head_dim {cfg['head_dim']} != hidden_size / num_attention_heads; not supported")
+        return ModelArgs(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=heads,
+                         n_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
+                         ffn_dim=cfg["intermediate_size"], max_seq_len=cfg["max_position_embeddings"],
+                         norm_eps=cfg["rms_norm_eps"],
+                         rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+    except KeyError as e:
+        raise HFError(f"'{where}' lacks the field {e}") from e
+    except HFError:
+        raise
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise HFError(f"'{where}': {e}") from e
+
+
+# ---------------------------------------------------------------- reading this project's runs
+
+def load_run(run_dir: str, checkpoint: str = ""):
+    """(config, checkpoint path, tokenizer.json path) of a run directory; no process group needed.
+
+    checkpoint: a checkpoint directory, or "" for the newest complete one in run_dir/checkpoints.
+    Raises CheckpointError when the run has no config.toml, tokenizer or complete checkpoint.
+    """
+    import train_fsdp  # deferred: train_fsdp imports this module to wire init_from_hf
+
+    cfg_path = os.path.join(run_dir, "config.toml")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"run directory '{run_dir}' has no config.toml; give the --run_dir of a training run")
+    cfg = train_fsdp.parse_config(["--config", cfg_path])
+    if checkpoint:
+        read_metadata(checkpoint)
+    else:
+        found = complete_checkpoints(os.path.join(run_dir, "checkpoints"))
+        if not found:
+            raise CheckpointError(f"no complete checkpoint in '{os.path.join(run_dir, 'checkpoints')}'")
+        checkpoint = found[-1][1]
+    tokenizer = os.path.join(run_dir, "data", "tokenizer.json")
+    if not os.path.isfile(tokenizer):
+        raise CheckpointError(f"run directory '{run_dir}' has no data/tokenizer.json")
+    return cfg, checkpoint, tokenizer
+
+
+def read_model_weights(path: str, state_dict: dict[str, Tensor], no_dist: bool = True) -> None:
+    """Fill state_dict (our names -> tensors, plain or DTensor) in place from checkpoint path's model.
+
+    Reads only the "app.model.*" entries, whatever world size or layout saved them. no_dist:
+    read in this process alone (no process group); False: a collective read, every rank calls.
+    Raises CheckpointError listing missing or mismatched keys (checkpoint.check_compatible).
+    """
+    check_compatible(path, {k: v.shape for k, v in state_dict.items()})
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # DCP warns that it assumes one process, which is the point
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, no_dist=no_dist)
+
+
+def load_model(run_dir: str, checkpoint: str = "") -> tuple[Transformer, str]:
+    """The run's model in fp32 on CPU with the checkpoint's weights, and its tokenizer.json path."""
+    cfg, path, tokenizer = load_run(run_dir, checkpoint)
+    model = Transformer(cfg.model)
+    sd = model.state_dict()
+    read_model_weights(path, sd)
+    model.load_state_dict(sd)
+    return model.eval(), tokenizer
+
+
+# ---------------------------------------------------------------- export
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2**20, '1000' -> 1000; raises HFError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise HFError(f"--max_shard_size: cannot read '{text}'; use e.g. 5GB, 500MB or a byte count")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def _shards(tensors: dict[str, Tensor], max_bytes: int) -> list[dict[str, Tensor]]:
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if current and size + n > max_bytes:  # a tensor larger than the limit gets a shard of its own
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += n
+    return shards + [current] if current else shards
+
+
+def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_dir: str,
+            dtype: torch.dtype = torch.float32, max_shard_size: int = 5 * 10**9) -> None:
+    """Write state (our names -> full tensors) as a Hugging Face Llama folder out_dir.
+
+    Tensors are cast to dtype (float32 or bfloat16) and sharded above max_shard_size bytes.
+    The folder is written beside out_dir and renamed into place, so a crash leaves no
+    half folder. Raises HFError if out_dir holds files, state has another shape than args,
+    or the tokenizer lacks [EOT] or does not fit args.vocab_size.
+    """
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise HFError(f"--out '{out_dir}' exists and is not empty; remove it or choose another folder")
+    with torch.device("meta"):  # shapes only, no memory
+        want = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if want != got:
+        bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        raise HFError("weights do not match the model config: "
+                      + "; ".join(f"{k}: {got.get(k)} vs config {want.get(k)}" for k in bad[:6]))
+    try:
+        tok = Tokenizer.from_file(tokenizer_path)
+    except Exception as e:  # tokenizers raises a bare Exception for a missing or bad file
+        raise HFError(f"cannot read tokenizer '{tokenizer_path}': {e}") from e
+    eot, pad = tok.token_to_id("[EOT]"), tok.token_to_id("[PAD]")
+    if eot is None:
+        raise HFError(f"tokenizer '{tokenizer_path}' has no [EOT] token")
+    if tok.get_vocab_size() > args.vocab_size:
+        raise HFError(f"tokenizer '{tokenizer_path}' has {tok.get_vocab_size()} tokens > vocab_size {args.vocab_size}")
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        tensors = {to_hf_name(k): v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+        shards = _shards(tensors, max_shard_size)
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, fname))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            _write_json(tmp, "model.safetensors.index.json", {"metadata": {"total_size": total},
+                                                              "weight_map": weight_map})
+        _write_json(tmp, "config.json", to_hf_config(args, eot, eot, pad, dtype))
+        _write_json(tmp, "generation_config.json", {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": pad})
+        # Byte-identical tokenizer: AutoTokenizer gives the ids data.py trained on.
+        shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.json"))
+        special = {"bos_token": "[EOT]", "eos_token": "[EOT]"}
+        if pad is not None:
+            special["pad_token"] = "[PAD]"
+        _write_json(tmp, "special_tokens_map.json", special)
+        _write_json(tmp, "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": args.max_seq_len,
+            # No automatic specials and no space clean-up: decode(encode(s)) == s, as in data.py.
+            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False})
+        _publish_permissions(tmp)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty, checked above
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish_permissions(folder: str) -> None:
+    """mkdtemp makes a private folder and safetensors private files; give them the usual umask modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
+def _write_json(folder: str, name: str, obj: dict) -> None:
+    with open(os.path.join(folder, name), "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: torch.dtype = torch.float32,
+                      max_shard_size: int = 5 * 10**9) -> str:
+    """Export a run's checkpoint (newest complete one unless given) to out_dir; returns the checkpoint used.
+
+    Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf).
+    """
+    cfg, path, tokenizer = load_run(run_dir, checkpoint)
+    with torch.device("meta"):
+        shapes = Transformer(cfg.model).state_dict()
+    state = {k: torch.empty(v.shape) for k, v in shapes.items()}
+    read_model_weights(path, state)
+    save_hf(state, cfg.model, tokenizer, out_dir, dtype, max_shard_size)
+    return path
+
+
+# ---------------------------------------------------------------- import
+
+def read_hf_folder(folder: str) -> tuple[ModelArgs, dict[str, str]]:
+    """(ModelArgs, {HF tensor name: safetensors file}) of a Hugging Face Llama folder.
+
+    Raises HFError if folder is missing, has no config.json, is not a supported Llama, or
+    has no safetensors weights.
+    """
+    if not os.path.isdir(folder):
+        raise HFError(f"'{folder}' is not a directory; give a Hugging Face Llama model folder")
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise HFError(f"'{folder}' is not a Hugging Face model folder (no config.json)")
+    args = args_from_hf_config(_read_json(cfg_path), cfg_path)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(index):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFError(f"'{index}' has no weight_map")
+        files = {k: os.path.join(folder, v) for k, v in weight_map.items()}
+    elif os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, "pt") as f:
+            files = dict.fromkeys(f.keys(), single)
+    else:
+        raise HFError(f"'{folder}' has no model.safetensors or model.safetensors.index.json "
+                      f"(only safetensors weights are read)")
+    return args, files
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise HFError(f"cannot read '{path}': {e}") from e
+
+
+def check_args(folder: str, args: ModelArgs) -> None:
+    """Raise HFError naming every field of args that differs from folder's config.json.
+
+    max_seq_len may differ: it only sets the RoPE table length, not a weight.
+    """
+    hf_args, _ = read_hf_folder(folder)
+    diff = [f"--model.{k} {getattr(hf_args, k)} (config has {getattr(args, k)})"
+            for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta")
+            if not math.isclose(getattr(hf_args, k), getattr(args, k), rel_tol=1e-9)]
+    if diff:
+        raise HFError(f"'{folder}' is another model shape; set {', '.join(diff)}")
+
+
+def iter_hf_tensors(folder: str) -> Iterator[tuple[str, Tensor]]:
+    """(our name, tensor) for every weight of an HF Llama folder, one tensor in memory at a time.
+
+    A folder without lm_head.weight (tied embeddings) yields the embedding again as output.weight:
+    this model keeps them untied. Raises HFError for a tensor outside the mapping.
+    """
+    from safetensors import safe_open
+
+    _, files = read_hf_folder(folder)
+    for path in sorted(set(files.values())):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                if _IGNORED.match(name):
+                    continue
+                ours = from_hf_name(name)
+                yield ours, f.get_tensor(name)
+                if ours == "tok_embeddings.weight" and "lm_head.weight" not in files:
+                    yield "output.weight", f.get_tensor(name)
+
+
+def _copy_full(param: Tensor, full: Tensor) -> None:
+    param.copy_(full)
+
+
+@torch.no_grad()
+def load_hf_into(model: Transformer, folder: str, copy_: Callable[[Tensor, Tensor], None] = _copy_full) -> None:
+    """Overwrite every parameter of model with the weights of the HF Llama folder (continued pretraining).
+
+    model may be whole or sharded (FSDP2/TP DTensors): copy_(param, full) writes a full
+    tensor into a parameter, e.g. train_fsdp.copy_sharded, which keeps only the local shard
+    without communication. Weights are cast to each parameter's dtype. Raises HFError if the
+    config differs from model.args (see check_args), or a tensor is unknown, has another
+    shape (naming the key) or is missing.
+    """
+    check_args(folder, model.args)
+    params = dict(model.named_parameters())
+    seen = set()
+    for name, tensor in iter_hf_tensors(folder):
+        if name not in params:
+            raise HFError(f"'{folder}': tensor for '{name}' has no parameter in the model")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise HFError(f"'{folder}': {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                          f"the model's {name} has {tuple(params[name].shape)}")
+        copy_(params[name], tensor.to(params[name].dtype))
+        seen.add(name)
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise HFError(f"'{folder}' lacks {len(missing)} weights, e.g. {', '.join(to_hf_name(k) for k in missing[:3])}")
+
+
+def tokenizer_path(folder: str) -> str:
+    """The folder's tokenizer.json, for data.tokenizer when continuing pretraining; HFError if absent."""
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise HFError(f"'{folder}' has no tokenizer.json (a fast tokenizer is needed for data.tokenizer)")
+    return path
+
+
+# ---------------------------------------------------------------- command line
+
+def main(argv: list[str] | None = None) -> int:
+    """`python hf.py export ...`; bad input exits with status 2 and a one-line message."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face Llama folder")
+    e.add_argument("--run_dir", required=True, help="training run directory (config.toml, data/, checkpoints/)")
+    e.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
+    e.add_argument("--checkpoint", default="", help="checkpoint directory (default: the run's newest complete one)")
+    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the saved weights")
+    e.add_argument("--max_shard_size", default="5GB", help="split model.safetensors above this size (e.g. 2GB)")
+    a = p.parse_args(argv)
+    try:
+        path = export_checkpoint(a.run_dir, a.out, a.checkpoint, getattr(torch, a.dtype), parse_size(a.max_shard_size))
+    except (HFError, CheckpointError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {path} -> {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""hf.py and evaluate.py against transformers: exported logits, tokenizer, import/export identity,
+sharded import into a training session, perplexity, and one-line errors for bad input."""
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import data
+import hf
+from debug_export import debug_run_dir, exported_dir
+from launch import DEBUG, ROOT, metrics, prepared_data_dir, torchrun
+from model import PRESETS, ModelArgs, Transformer
+
+transformers = pytest.importorskip("transformers")
+
+# Non-default eps and theta: an export that dropped either would change the logits.
+GQA = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=320, ffn_dim=96, max_seq_len=64,
+           norm_eps=1e-6, rope_theta=500_000.0)
+TEXTS = ["def main():\n    print('héllo, wörld')  # 🙂\n", "  leading and   inner   spaces\t\ttabs\n\n",
+         "unicode: ∑ x² → ∞, 中文, emoji 👩‍💻", "literal specials [EOT] and [BOT] inside", "", " "]
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    """A tiny byte-level BPE tokenizer trained as data.py trains one."""
+    corpus = [open(os.path.join(ROOT, f)).read() for f in ("model.py", "data.py", "config.py")]
+    path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+    data.train_tokenizer(corpus, 320, 200_000).save(path)
+    return path
+
+
+def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
+    """Weights far from init (norm weights not 1, larger matrices): a wrong mapping shows in the logits."""
+    model = Transformer(args)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else 0.15 * noise)
+    return model.eval()
+
+
+def load_hf(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_tensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out
+
+
+@pytest.mark.parametrize("shape", [GQA, PRESETS["debug"]], ids=["gqa", "debug"])
+def test_exported_logits_equal_ours_under_transformers(tmp_path, tok_path, shape):
+    args = ModelArgs(**shape)
+    model = random_model(args)
+    hf.save_hf(model.state_dict(), args, tok_path, str(tmp_path / "out"))
+    ref = load_hf(str(tmp_path / "out"))
+    c = ref.config
+    assert (c.rms_norm_eps, c.num_key_value_heads, c.tie_word_embeddings) == (args.norm_eps, args.n_kv_heads, False)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (2, min(args.max_seq_len, 128)), generator=gen)
+    with torch.no_grad():
+        ours, theirs = model(tokens), ref(tokens).logits
+    assert ours.abs().max() > 1.0  # the comparison is not between near-zero logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_tokenizer_round_trips_through_autotokenizer(tmp_path, tok_path):
+    from tokenizers import Tokenizer
+
+    args = ModelArgs(**GQA)
+    hf.save_hf(random_model(args).state_dict(), args, tok_path, str(tmp_path / "out"))
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    ours = Tokenizer.from_file(tok_path)
+    eot = ours.token_to_id("[EOT]")
+    assert (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id) == (eot, eot, ours.token_to_id("[PAD]"))
+    for text in TEXTS:
+        ids = ours.encode(text).ids
+        assert auto(text)["input_ids"] == ids, text
+        assert auto.decode(ids) == ours.decode(ids, skip_special_tokens=False) == text
+
+
+def hf_made_folder(tmp_path, tok_path, args: ModelArgs) -> str:
+    """A folder written by transformers itself (save_pretrained), with our tokenizer files."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_dim,
+        num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads,
+        max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    folder = str(tmp_path / "from_transformers")
+    model.save_pretrained(folder)
+    shutil.copyfile(tok_path, os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+def test_import_then_export_is_the_identity(tmp_path, tok_path):
+    args = ModelArgs(**GQA)
+    src = hf_made_folder(tmp_path, tok_path, args)
+    assert hf.read_hf_folder(src)[0] == args
+    model = Transformer(args)
+    hf.load_hf_into(model, src)
+    hf.save_hf(model.state_dict(), args, hf.tokenizer_path(src), str(tmp_path / "once"), max_shard_size=40_000)
+    assert os.path.isfile(tmp_path / "once" / "model.safetensors.index.json")  # sharded
+    again = Transformer(args)
+    hf.load_hf_into(again, str(tmp_path / "once"))  # import from the sharded folder
+    hf.save_hf(again.state_dict(), args, tok_path, str(tmp_path / "twice"))
+    original, once, twice = hf_tensors(src), hf_tensors(str(tmp_path / "once")), hf_tensors(str(tmp_path / "twice"))
+    assert original.keys() == once.keys() == twice.keys()
+    for k in original:
+        assert torch.equal(original[k], once[k]) and torch.equal(original[k], twice[k]), k
+    c1, c2 = load_hf(src).config, load_hf(str(tmp_path / "twice")).config
+    for k in ("hidden_size", "num_key_value_heads", "rms_norm_eps", "vocab_size", "tie_word_embeddings"):
+        assert getattr(c1, k) == getattr(c2, k), k
+    assert c1.rope_parameters["rope_theta"] == c2.rope_parameters["rope_theta"] == args.rope_theta
+
+
+def test_checkpoint_export_and_sharded_export_match_our_model(tmp_path_factory, tmp_path):
+    run = debug_run_dir(tmp_path_factory)
+    ours, _ = hf.load_model(run)
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 128), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ours(tokens)
+    assert hf.main(["export", "--run_dir", run, "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16",
+                    "--max_shard_size", "2MB"]) == 0
+    with open(tmp_path / "bf16" / "model.safetensors.index.json") as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1
+    for folder, tol in ((exported_dir(tmp_path_factory), 1e-4), (str(tmp_path / "bf16"), 0.1)):
+        with torch.no_grad():
+            got = load_hf(folder)(tokens).logits
+        assert (got - expected).abs().max().item() <= tol, folder
+
+
+def test_import_into_a_sharded_training_session(tmp_path_factory, tmp_path):
+    """The init_from_hf wiring: build the FSDP session, load_hf_into with copy_sharded, train from it."""
+    folder = exported_dir(tmp_path_factory)
+    prepared_data_dir(tmp_path / "run")
+    out = tmp_path / "worker.pt"
+    torchrun(2, "tests/hf_import_worker.py", "--hf", folder, "--out", str(out), "--config", DEBUG,
+             "--run_dir", str(tmp_path / "run"), timeout=180)
+    res = torch.load(out)
+    assert res["max_diff"] == 0.0
+    assert res["inputs"].shape == (_debug_cfg().train.global_batch_size, _debug_cfg().data.seq_len)
+    with torch.no_grad():
+        logits = load_hf(folder)(res["inputs"]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), res["labels"].flatten()).item()
+    assert abs(res["loss"] - loss) < 1e-5
+
+
+def _without_checkpoints(run, tmp_path) -> str:
+    """A copy of run's config and data, without its checkpoints."""
+    bare = tmp_path / "bare_run"
+    bare.mkdir()
+    shutil.copyfile(os.path.join(run, "config.toml"), bare / "config.toml")
+    shutil.copytree(os.path.join(run, "data"), bare / "data")
+    return str(bare)
+
+
+def _debug_cfg():
+    import train_fsdp
+
+    return train_fsdp.parse_config(["--config", DEBUG])
+
+
+def test_perplexity_of_evaluate_equals_transformers_on_the_same_windows(tmp_path_factory):
+    run = debug_run_dir(tmp_path_factory)
+    cfg = _debug_cfg()
+    n = cfg.train.val_batches * cfg.train.global_batch_size  # the windows training validates on
+    # 5 per forward on 2 ranks: uneven last batches, and one rank runs a spare forward.
+    proc = torchrun(2, "evaluate.py", "--run_dir", run, "--split", "val", "--max_sequences", str(n),
+                    "--micro_batch_size", "5", timeout=180)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    corpus = data.PackedCorpus(os.path.join(run, "data"), cfg.data)
+    assert corpus.n_val >= n
+    windows = torch.from_numpy(np.stack([corpus.val_sample(i) for i in range(n)]))
+    ref = load_hf(exported_dir(tmp_path_factory))
+    with torch.no_grad():
+        logits = torch.cat([ref(w[:, :-1]).logits for w in windows.split(16)])
+    losses = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten(), reduction="none").double()
+    assert result["tokens"] == losses.numel() == n * cfg.data.seq_len
+    assert abs(result["loss"] - losses.mean().item()) < 1e-5
+    assert math.isclose(result["ppl"], math.exp(losses.mean().item()), rel_tol=1e-5)
+    # ... and training's own validation loss at its last step.
+    assert abs(result["loss"] - [r["val_loss"] for r in metrics(run) if "val_loss" in r][-1]) < 1e-5
+
+
+def _error_line(main, argv, capsys) -> str:
+    """The command's stderr when it refuses argv: exit status 2 and one line 'error: ...'."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_bad_input_gives_one_line_errors(tmp_path, tmp_path_factory, tok_path, capsys):
+    import evaluate
+    import generate
+
+    run = debug_run_dir(tmp_path_factory)
+    nope = str(tmp_path / "nope")
+    assert "no config.toml" in _error_line(hf.main, ["export", "--run_dir", nope, "--out", "x"], capsys)
+    assert ".metadata" in _error_line(hf.main, ["export", "--run_dir", run, "--checkpoint", str(tmp_path),
+                                                "--out", str(tmp_path / "x")], capsys)
+    assert "not empty" in _error_line(hf.main, ["export", "--run_dir", run, "--out", exported_dir(tmp_path_factory)],
+                                      capsys)
+    assert "no config.toml" in _error_line(evaluate.main, ["--run_dir", str(tmp_path)], capsys)
+    assert "no complete checkpoint" in _error_line(generate.main, ["--run_dir", _without_checkpoints(run, tmp_path)],
+                                                   capsys)
+    assert "not a directory" in _error_line(generate.main, ["--hf", str(tmp_path / "nope")], capsys)
+
+    args = ModelArgs(**GQA)
+    with pytest.raises(hf.HFError, match="no config.json"):
+        hf.load_hf_into(Transformer(args), str(tmp_path))
+    src = hf_made_folder(tmp_path, tok_path, args)
+    with pytest.raises(hf.HFError, match=r"--model.n_kv_heads 2"):
+        hf.load_hf_into(Transformer(ModelArgs(**{**GQA, "n_kv_heads": 4})), src)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    json.dump({**cfg, "model_type": "gpt2"}, open(os.path.join(src, "config.json"), "w"))
+    with pytest.raises(hf.HFError, match="not 'llama'"):
+        hf.read_hf_folder(src)
+    # A weight whose shape disagrees with a consistent config is named.
+    json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
+    from safetensors.torch import save_file
+
+    tensors = hf_tensors(src)
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(hf.HFError, match=r"model\.layers\.1\.mlp\.up_proj\.weight has shape \(3, 3\)"):
+        hf.load_hf_into(Transformer(args), src)
+    with pytest.raises(hf.HFError, match="output.weight: None"):
+        sd = Transformer(args).state_dict()
+        del sd["output.weight"]
+        hf.save_hf(sd, args, tok_path, str(tmp_path / "partial"))
