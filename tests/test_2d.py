@@ -1,4 +1,4 @@
-"""train_2d.py (TP/SP inside a node, FSDP2 across) against one process on CPU/gloo: losses and
+"""FSDP on 2 ranks and train_2d.py (TP/SP inside a node, FSDP2 across) against one process on CPU/gloo: losses and
 whole gradients, replicated norm weights, checkpoints shared with train_fsdp.py both ways, and
 layouts that cannot split failing before any collective."""
 import os
@@ -46,10 +46,11 @@ def rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("nproc, tp, overrides", [
+    (2, 1, ()),  # plain FSDP on 2 ranks: same initial weights, losses and gradients as 1 process
     (2, 2, ("--train.micro_batch_size", "4")),  # and 4 accumulated micro-batches against one batch of 16
     (4, 2, ()),
-], ids=["dp1xtp2_accumulating", "dp2xtp2"])
-def test_2d_losses_and_gradients_match_one_process(worker, nproc, tp, overrides):
+], ids=["fsdp2", "dp1xtp2_accumulating", "dp2xtp2"])
+def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, overrides):
     ref, got = worker(1, 1), worker(nproc, tp, *overrides)
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     for step in range(STEPS):
