@@ -156,8 +156,10 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
 
         batches, n_steps = rank_batches(corpus, windows, micro, rank, world)
         loss_sum, count = loss_and_count(model, batches, n_steps, device)
+        train_fsdp.finish_distributed()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     loss = loss_sum / count
     return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(count),
             "sequences": len(windows), "split": split, "checkpoint": path}

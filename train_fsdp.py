@@ -457,6 +457,17 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def finish_distributed() -> None:
+    """Leave the process group together: a barrier, then destroy.
+
+    Without the barrier, a rank that finishes its last gloo collective first can close its
+    connections while a peer's gloo thread still uses them, and the peer aborts on exit
+    ("terminate called without an active exception") after its work is done.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run(cfg: Config, tensor_parallel: Callable[[Transformer, DeviceMesh], None] | None = None,
         loss_context=contextlib.nullcontext) -> None:
     """Train as configured (called under torchrun on every rank). tensor_parallel: train_2d.py's plan."""
@@ -466,8 +477,10 @@ def run(cfg: Config, tensor_parallel: Callable[[Transformer, DeviceMesh], None] 
     rank, world_size, device = init_distributed(cfg)
     try:
         train(build(cfg, rank, world_size, device, tensor_parallel), loss_context)
+        finish_distributed()
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # after an error: no barrier, a peer may never reach it
+            dist.destroy_process_group()
 
 
 @dataclasses.dataclass

@@ -92,7 +92,7 @@ def main() -> None:
         print(f"async: the loop waits {frac:.0%} of a synchronous save")
         shutil.rmtree(root, ignore_errors=True)
     stager.close()
-    dist.destroy_process_group()
+    train_fsdp.finish_distributed()
 
 
 if __name__ == "__main__":

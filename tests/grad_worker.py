@@ -75,8 +75,7 @@ def main() -> None:
         result["replicated"] = replica_spread(s.model, s.mesh["tp"])
     if rank == 0:
         torch.save(result, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    train_fsdp.finish_distributed()
 
 
 if __name__ == "__main__":

@@ -56,8 +56,7 @@ def main() -> None:
     if rank == 0:
         torch.save({"max_diff": max_diff, "loss": loss_sum.item() / labels.numel(), "inputs": inputs,
                     "labels": labels}, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    train_fsdp.finish_distributed()
 
 
 if __name__ == "__main__":

@@ -13,23 +13,13 @@ import generate
 import hf
 from debug_export import debug_run_dir, exported_dir
 from launch import ROOT
+from models import random_model
 from model import ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")
 
 GQA = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=97, ffn_dim=96, max_seq_len=64,
            norm_eps=1e-6, rope_theta=500_000.0)
-
-
-def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
-    """Weights far from init, so that the next token is not a near tie and a wrong cache shows."""
-    model = Transformer(args)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else 0.15 * noise)
-    return model.eval()
 
 
 def test_cached_forward_equals_the_training_forward():

@@ -14,6 +14,7 @@ import data
 import hf
 from debug_export import debug_run_dir, exported_dir
 from launch import DEBUG, ROOT, metrics, prepared_data_dir, torchrun
+from models import random_model
 from model import PRESETS, ModelArgs, Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -32,17 +33,6 @@ def tok_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
     data.train_tokenizer(corpus, 320, 200_000).save(path)
     return path
-
-
-def random_model(args: ModelArgs, seed: int = 0) -> Transformer:
-    """Weights far from init (norm weights not 1, larger matrices): a wrong mapping shows in the logits."""
-    model = Transformer(args)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            p.copy_(1 + 0.3 * noise if name.endswith("norm.weight") else 0.15 * noise)
-    return model.eval()
 
 
 def load_hf(folder):
