@@ -60,7 +60,8 @@ def main() -> None:
     loss_context = train_2d.loss_parallel if args.tp > 1 else contextlib.nullcontext
     s = train_fsdp.build(cfg, rank, world, device, tensor_parallel=plan, resume=False)
     n_targets = cfg.train.global_batch_size * cfg.data.seq_len
-    result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {}}
+    result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {},
+              "init": {name: p.full_tensor().detach().cpu().clone() for name, p in s.model.named_parameters()}}
     for _ in range(cfg.train.steps):
         loss_sum = train_fsdp.forward_backward(s.model, s.loader.next_step(), n_targets, s.dp, device, loss_context)
         dist.all_reduce(loss_sum, group=s.mesh["dp"].get_group())

@@ -52,6 +52,9 @@ def rel(a: float, b: float) -> float:
 ], ids=["fsdp2", "dp1xtp2_accumulating", "dp2xtp2"])
 def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, overrides):
     ref, got = worker(1, 1), worker(nproc, tp, *overrides)
+    # Initial weights do not depend on world size or layout: bit for bit.
+    assert got["init"].keys() == ref["init"].keys()
+    assert all(torch.equal(got["init"][k], v) for k, v in ref["init"].items())
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     for step in range(STEPS):
         assert rel(got["losses"][step], ref["losses"][step]) <= LOSS_RTOL, f"step {step + 1} loss"
