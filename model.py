@@ -143,12 +143,14 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
-        # (bsz, heads, seq, head_dim); K/V repeated so every SDPA kernel applies.
+        # (bsz, heads, seq, head_dim). The CPU kernel shares K/V heads itself (enable_gqa, no copies);
+        # elsewhere K/V are repeated so every SDPA kernel applies.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if n_rep > 1:
+        gqa = n_rep > 1 and q.device.type == "cpu"
+        if n_rep > 1 and not gqa:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 

@@ -52,6 +52,7 @@ MIB = 2 ** 20
 
 
 def parse_args(argv):
+    """(the benchmark's own flags, the rest: trainer config flags for train_fsdp.parse_config)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (compilation happens here)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
@@ -212,6 +213,7 @@ def set_vs_ours(res: dict) -> None:
 
 
 def stats(xs) -> dict:
+    """{'median', 'min', 'max'} of a list of numbers."""
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
@@ -311,10 +313,12 @@ def run_worker(args, rest) -> dict:
 # ---------------------------------------------------------------- output
 
 def fmt_stats(s, scale=1.0, spec=".0f"):
+    """'median (min-max)' of a stats() dict, each times scale."""
     return f"{s['median'] * scale:{spec}} ({s['min'] * scale:{spec}}-{s['max'] * scale:{spec}})"
 
 
 def print_table(res: dict, label: str = "") -> None:
+    """One run's results as a table on stdout (rank 0)."""
     print(f"\n[bench] {label}{res['world_size']} rank(s) x {res['threads']} thread(s), {res['device']}; "
           f"{res['tokens_per_step']} tokens/step, {res['flops_per_token'] / 1e6:.1f} MFLOP/token, "
           f"{res['params'] / 1e6:.2f}M params; peak {fmt_stats(res['peak_tflops'], 1e3, '.1f')} GFLOP/s "
@@ -389,6 +393,7 @@ def drive(args, rest) -> dict:
 
 
 def main(argv=None) -> int:
+    """Worker (plain python or under torchrun) or, with --layouts, the driver; returns the exit status."""
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     rest = ["--run_dir", os.path.join(ROOT, "runs", "bench")] + rest  # a later --run_dir wins
     if args.layouts:
