@@ -133,6 +133,11 @@ def check_compatible(path: str, model_shapes: dict[str, torch.Size]) -> None:
     Raises CheckpointError listing missing, unexpected and mismatched keys (with shapes).
     """
     meta = read_metadata(path)
+    for info in (meta.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel and not os.path.isfile(os.path.join(path, rel)):
+            raise CheckpointError(f"checkpoint '{path}' is incomplete: '{rel}' is missing; resume from another "
+                                  f"checkpoint with --checkpoint.load_from, or delete this one")
     saved = {k[len("app.model."):]: tuple(v.size) for k, v in meta.state_dict_metadata.items()
              if k.startswith("app.model.") and hasattr(v, "size")}
     if not saved:

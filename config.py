@@ -103,9 +103,10 @@ def build(root_cls, sections: dict[str, dict], presets: dict[str, dict[str, dict
         cls = hints[name]
         if not dataclasses.is_dataclass(cls):
             continue
-        values = dict(sections.get(name, {}))
+        values = sections.get(name, {})
         if not isinstance(values, dict):
-            raise ConfigError(f"'{name}' must be a section ([{name}]), got {values!r}")
+            raise ConfigError(f"'{name}' is a section: set its fields as --{name}.FIELD value or in [{name}]")
+        values = dict(values)
         merged: dict[str, Any] = {}
         preset = values.pop("preset", None)
         if preset is not None:

@@ -162,8 +162,15 @@ def validate(cfg: Config, world_size: int, tp: int) -> None:
         raise SetupError(f"train.log_interval must be > 0, got {t.log_interval}")
     if cfg.checkpoint.interval <= 0:
         raise SetupError(f"checkpoint.interval must be > 0, got {cfg.checkpoint.interval}")
-    if cfg.optim.warmup_steps < 0 or cfg.optim.lr <= 0:
-        raise SetupError("optim.lr must be > 0 and optim.warmup_steps >= 0")
+    o = cfg.optim
+    if o.warmup_steps < 0 or not o.lr > 0:
+        raise SetupError(f"optim.lr must be > 0 and optim.warmup_steps >= 0, got {o.lr} and {o.warmup_steps}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(o, name) < 1:
+            raise SetupError(f"optim.{name} must be in [0, 1), got {getattr(o, name)}")
+    for name in ("eps", "weight_decay", "grad_clip", "min_lr_ratio"):
+        if not getattr(o, name) >= 0 or (name == "eps" and o.eps == 0):
+            raise SetupError(f"optim.{name} must be {'> 0' if name == 'eps' else '>= 0'}, got {getattr(o, name)}")
     if not 0 <= d.val_fraction < 1:
         raise SetupError(f"data.val_fraction must be in [0, 1), got {d.val_fraction}")
     if cfg.parallel.prefetch < 1:

@@ -58,6 +58,9 @@ PRE_GROUP = [
     (["--data.tokenizer", "/nonexistent/tokenizer.json"], "data.tokenizer: file '/nonexistent/tokenizer.json' not found"),
     (["--train.dtype", "fp8"], "train.dtype must be 'bfloat16' or 'float32'"),
     (["--train.activation_checkpointing", "some"], "train.activation_checkpointing must be"),
+    (["--optim.beta1", "1.5"], "optim.beta1 must be in [0, 1), got 1.5"),
+    (["--optim.eps", "-1"], "optim.eps must be > 0, got -1.0"),
+    (["--train", "3"], "'train' is a section: set its fields as --train.FIELD value"),
 ]
 
 
@@ -149,3 +152,16 @@ def test_nonfinite_gradient_can_be_skipped(tmp_path):
               "--train.nonfinite", "skip", "--checkpoint.interval", "1000")
     recs = [r for r in metrics(rd) if "loss" in r]
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[-1].get("skipped") is True
+
+
+def test_a_checkpoint_with_a_missing_shard_file_is_named(tmp_path):
+    rd = tmp_path / "run"
+    prepared_data_dir(rd)
+    debug_run(2, rd, "--train.steps", "2", "--checkpoint.interval", "2")
+    shard = next((rd / "checkpoints" / "step_00000002").glob("__1_*.distcp"))
+    shard.unlink()
+    before = _snapshot(rd)
+    proc = debug_run(2, rd, "--train.steps", "4", check=False, timeout=120)
+    err = _errors(proc.stderr)
+    assert proc.returncode != 0 and err and f"is incomplete: '{shard.name}' is missing" in err[0], proc.stderr[-2000:]
+    assert _snapshot(rd) == before
