@@ -113,7 +113,10 @@ def check_source(cfg: DataConfig) -> None:
 
 
 def _looks_local(spec: str) -> bool:
-    return os.path.exists(spec) or any(c in spec for c in "*?[") or spec.startswith((".", "/", "~"))
+    # A file name ("notes.jsonl") is local even when missing: it must fail as a missing file,
+    # not after minutes of retries against a hub dataset of that name.
+    return (os.path.exists(spec) or any(c in spec for c in "*?[") or spec.startswith((".", "/", "~"))
+            or spec.lower().endswith((".txt", ".md", ".jsonl", ".json", ".parquet")))
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:

@@ -658,6 +658,11 @@ def main(argv: list[str] | None = None, tensor_parallel=None, loss_context=conte
     check(cfg, world_size), if given, runs first of the checks, before the process group exists.
     """
     try:
+        args = sys.argv[1:] if argv is None else argv
+        if not any(a == "--config" or a.startswith("--config=") for a in args) and "--help" not in args \
+                and "-h" not in args:
+            raise SetupError("--config FILE.toml is required (the defaults alone are a 179M-parameter GPU run); "
+                             "start with --config configs/debug.toml")
         cfg = parse_config(argv, description)
         if tensor_parallel is None and cfg.parallel.tp != 1:
             raise SetupError(f"parallel.tp is {cfg.parallel.tp}: tensor parallelism runs with train_2d.py")
