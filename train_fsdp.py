@@ -453,7 +453,12 @@ def init_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_PORT" not in os.environ:  # a plain `python` run of one process: any free port, no clash
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     device = resolve_device(cfg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
