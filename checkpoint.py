@@ -18,11 +18,14 @@ import dataclasses
 import os
 import re
 import shutil
+import socket
+import tomllib
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -43,7 +46,7 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in a background thread while training goes on (state staged to CPU first)."""
     load_from: str = ""
-    """Resume from this checkpoint directory instead of the newest complete one in the run directory."""
+    """Start from this checkpoint directory (e.g. another run's) while the run directory has no checkpoint of its own; once it has, a re-run resumes from its own newest, so the same command survives preemption."""
 
 
 @dataclasses.dataclass
@@ -154,6 +157,58 @@ def check_compatible(path: str, model_shapes: dict[str, torch.Size]) -> None:
         )
 
 
+def check_same_config(path: str, section: str, current: dict) -> None:
+    """Compare a checkpoint's saved [section] (its config.toml) with the current values.
+
+    Catches what shapes cannot (e.g. model.rope_theta, or n_heads vs head_dim at equal
+    widths). Checkpoints without a config.toml are not checked. Raises CheckpointError
+    naming each differing field with both values.
+    """
+    saved_file = os.path.join(path, "config.toml")
+    if not os.path.isfile(saved_file):
+        return
+    try:
+        with open(saved_file, "rb") as f:
+            saved = tomllib.load(f).get(section, {})
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise CheckpointError(f"checkpoint '{path}': cannot read '{saved_file}': {e}") from e
+    diffs = [f"{section}.{k}: checkpoint {saved[k]!r}, now {v!r}" for k, v in current.items()
+             if k in saved and saved[k] != v]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint '{path}' was saved with other settings ({'; '.join(diffs)}); "
+            f"use the settings it was trained with, or another run directory"
+        )
+
+
+def lock_run_dir(run_dir: str):
+    """Hold an exclusive lock on run_dir/.lock for as long as the returned file stays open.
+
+    Two runs writing one run directory would overwrite each other's checkpoints and data;
+    the second now stops at once. The OS drops the lock when the process ends, even on
+    SIGKILL, so no stale lock survives a crash. File systems without locks are not guarded.
+    Raises CheckpointError naming the holder.
+    """
+    import fcntl
+
+    f = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise CheckpointError(f"--run_dir '{run_dir}' is in use by {holder}; wait for that run to end, "
+                              f"or choose another --run_dir") from None
+    except OSError:  # e.g. ENOLCK on a file system without locks
+        return f
+    f.seek(0)
+    f.truncate()
+    f.write(f"a run with pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
 class Checkpointer:
     """Saves and finds checkpoints of one run; every rank holds one.
 
@@ -162,8 +217,9 @@ class Checkpointer:
     and rank 0 commits it (rename, then keep-k pruning) once DCP reports it finished.
     """
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: str, rank: int):
+    def __init__(self, cfg: CheckpointConfig, run_dir: str, rank: int, config_text: str | None = None):
         self.cfg = cfg
+        self.config_text = config_text  # the run's resolved config, written into every checkpoint
         self.root = os.path.join(run_dir, "checkpoints")
         self.rank = rank
         self._pending: tuple[Future, str, str] | None = None
@@ -191,10 +247,15 @@ class Checkpointer:
 
         Raises CheckpointError if load_from is given but is not a complete checkpoint.
         """
+        found = complete_checkpoints(self.root)
         if self.cfg.load_from:
             read_metadata(self.cfg.load_from)
-            return self.cfg.load_from
-        found = complete_checkpoints(self.root)
+            if not found:
+                return self.cfg.load_from
+            if os.path.realpath(found[-1][1]) != os.path.realpath(self.cfg.load_from):
+                print(f"[checkpoint] {self.root} has checkpoints of its own: resuming from the newest, "
+                      f"{found[-1][1]}, not checkpoint.load_from; to go back to an older one, move the newer "
+                      f"ones out of {self.root}", flush=True)
         return found[-1][1] if found else None
 
     def load(self, path: str, state: AppState) -> None:
@@ -203,7 +264,13 @@ class Checkpointer:
         # Per-rank RNG only when this rank existed in the saving run.
         if not any(k.startswith(f"app.rng_rank{state.rank}.") for k in read_metadata(path).state_dict_metadata):
             target = _WithoutRng(state)
-        dcp.load({"app": target}, checkpoint_id=path)
+        try:
+            dcp.load({"app": target}, checkpoint_id=path)
+        except CheckpointException as e:  # DCP gathers every rank's failure, so all ranks get here
+            failures = "; ".join(f"rank {r}: {type(err[0]).__name__}: {str(err[0])[:80]}"
+                                 for r, err in sorted(e.failures.items())[:2])
+            raise CheckpointError(f"checkpoint '{path}' is damaged, it cannot be read ({failures}); resume from "
+                                  f"another one with --checkpoint.load_from, or move this one away") from e
         self._last_step = state.train_state.step
 
     def save(self, step: int, state: AppState) -> None:
@@ -247,6 +314,14 @@ class Checkpointer:
     def _commit(self, tmp: str, final: str) -> None:
         if self.rank != 0:
             return
+        if self.config_text is not None:
+            with open(os.path.join(tmp, "config.toml"), "w") as f:
+                f.write(self.config_text)
+        if os.path.exists(final):
+            if os.path.isfile(os.path.join(final, ".metadata")):
+                raise CheckpointError(f"checkpoint '{final}' exists already; does another run write to this run "
+                                      f"directory?")
+            shutil.rmtree(final)  # a step directory without .metadata: what is left of a broken or deleted one
         os.replace(tmp, final)
         if self.cfg.keep > 0:
             for _, old in complete_checkpoints(self.root)[:-self.cfg.keep]:

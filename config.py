@@ -3,9 +3,13 @@
 Each module owns its config dataclass and documents a field with a string literal right
 after it (as attribute docstrings); those strings are the ``--help`` text. Errors name the
 key and suggest the nearest valid one. Nothing here knows about training.
+
+The other command-line tools (generate.py, evaluate.py, hf.py) use ``ArgumentParser`` and
+``number`` below, so every bad flag ends the same way: one line ``error: ...`` and status 2.
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -21,6 +25,31 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A bad config key or value; the message names the key and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line 'error: ...' on stderr and exits with status 2."""
+
+    def error(self, message: str):
+        print(f"error: {message}; see --help", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def number(kind: type, ok, rule: str):
+    """An argparse type: kind(text) (int or float) that ok(value) accepts; else the flag's error says rule.
+
+    E.g. number(int, lambda v: v >= 1, "an int >= 1"). NaN never passes (every comparison is False).
+    """
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -45,6 +74,12 @@ def _suggest(name: str, choices) -> str:
     return f"; did you mean '{near[0]}'?" if near else f"; valid: {', '.join(sorted(choices))}"
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to limit characters so an error stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _convert(key: str, value: Any, typ) -> Any:
     """Coerce a TOML or command-line value to the field's type; raise ConfigError if it can't."""
     origin = typing.get_origin(typ)
@@ -54,21 +89,26 @@ def _convert(key: str, value: Any, typ) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
     elif typ is int:
+        number = None
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
+            number = value
+        elif isinstance(value, str):
             try:
-                return int(value.replace("_", ""))
+                number = int(value.replace("_", ""))
             except ValueError:
                 pass
+        if number is not None:
+            if not -2**63 <= number < 2**63:  # torch and numpy take 64-bit ints (seeds, step counts)
+                raise ConfigError(f"{key}: {_short(number)} is out of range; use a 64-bit int (|value| < 2**63)")
+            return number
     elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
+        try:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return float(value)
-            except ValueError:
-                pass
+            if isinstance(value, str):
+                return float(value)
+        except (ValueError, OverflowError):  # OverflowError: an int beyond the float range
+            pass
     elif typ is str:
         if isinstance(value, str):
             return value
@@ -77,7 +117,7 @@ def _convert(key: str, value: Any, typ) -> Any:
         args = typing.get_args(typ)
         if isinstance(items, (list, tuple)) and len(items) == len(args):
             return tuple(_convert(key, v, t) for v, t in zip(items, args))
-    raise ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    raise ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {_short(value)}")
 
 
 def _hints(cls) -> dict[str, Any]:
@@ -109,6 +149,9 @@ def build(root_cls, sections: dict[str, dict], presets: dict[str, dict[str, dict
         values = dict(values)
         merged: dict[str, Any] = {}
         preset = values.pop("preset", None)
+        if preset is not None and not isinstance(preset, str):
+            raise ConfigError(f"{name}.preset: expected a preset name (str), got {_short(preset)}"
+                              f"; valid: {', '.join(sorted(presets.get(name, {})))}")
         if preset is not None:
             table = presets.get(name, {})
             if preset not in table:
@@ -147,8 +190,8 @@ def parse_args(root_cls, argv: list[str] | None, presets=None, description: str 
             raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.field value")
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"--{key} needs a value")
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"--{key} needs a value: --{key} VALUE or --{key}=VALUE")
             value = argv[i + 1]
             i += 1
         pairs.append((key, value))
@@ -159,9 +202,13 @@ def parse_args(root_cls, argv: list[str] | None, presets=None, description: str 
                 with open(value, "rb") as f:
                     loaded = tomllib.load(f)
             except OSError as e:
-                raise ConfigError(f"--config: cannot read '{value}': {e.strerror}") from e
+                raise ConfigError(f"--config: cannot read '{value}': {e.strerror}; give an existing TOML file") from e
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"--config: '{value}' is not UTF-8 text (byte {e.start}); give a TOML file") from e
             except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"--config: '{value}' is not valid TOML: {e}") from e
+                raise ConfigError(f"--config: '{value}' is not valid TOML: {e}; fix that line") from e
+            except ValueError as e:  # e.g. a NUL byte in the path
+                raise ConfigError(f"--config: cannot read {value!r}: {e}") from e
             for sec, vals in loaded.items():
                 if isinstance(vals, dict) and isinstance(sections.get(sec), dict):
                     sections[sec].update(vals)

@@ -16,12 +16,14 @@ only state a checkpoint needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
+import itertools
 import json
 import os
 import shutil
 import sysconfig
-from typing import Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -58,8 +60,6 @@ class DataConfig:
     """Tokens per training sequence (the model sees seq_len inputs and predicts seq_len labels)."""
     val_fraction: float = 0.01
     """Fraction of the packed sequences held out for validation (taken from the end of the stream)."""
-    seed: int = 0
-    """Seed of the per-epoch shuffle of training sequences."""
 
 
 # ---------------------------------------------------------------- sources
@@ -119,27 +119,23 @@ def _looks_local(spec: str) -> bool:
             or spec.lower().endswith((".txt", ".md", ".jsonl", ".json", ".parquet")))
 
 
-def iter_documents(cfg: DataConfig) -> Iterator[str]:
-    """Yield document texts (str) of the configured source, in a fixed order.
+FILES_PER_UNIT = 64
+"""Text files (one document each) per work unit: enough to amortise a task, few enough to spread."""
 
-    Raises DataError for a missing path, an unknown file type or a missing text column.
+
+def source_units(cfg: DataConfig) -> list[Callable[[], Iterator[str]]]:
+    """The source split into ordered work units, each a function that yields its documents (str).
+
+    Reading the units in order yields exactly the source's documents in order. A unit is a
+    group of FILES_PER_UNIT text files, one jsonl/parquet file, or one file of a hub dataset
+    (``IterableDataset.shard``), so the split depends on the source alone, never on how many
+    processes read it, and a process reads only the units it is given. max_documents is not
+    applied here. Raises DataError for a missing path, mixed or unknown file types, a missing
+    text column or an unreadable source.
     """
-    limit = cfg.max_documents or None
-    count = 0
-    for text in _iter_source(cfg):
-        if limit is not None and count >= limit:
-            return
-        count += 1
-        yield text
-
-
-def _iter_source(cfg: DataConfig) -> Iterator[str]:
     if cfg.dataset == "stdlib":
-        for path in stdlib_files():
-            # A few of CPython's own test files are deliberately not UTF-8; they are noise, not errors.
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
-        return
+        # A few of CPython's own test files are deliberately not UTF-8; they are noise, not errors.
+        return _file_groups(stdlib_files(), "replace")
     import datasets  # deferred: importing it costs a second
 
     if _looks_local(cfg.dataset):
@@ -152,33 +148,64 @@ def _iter_source(cfg: DataConfig) -> Iterator[str]:
                 f"data.dataset: files of types {sorted(exts)} in '{cfg.dataset}'; use one of .txt, .jsonl, .parquet"
             )
         kind = kinds[exts.pop()]
-        if kind == "text":
-            for path in files:  # one file is one document
-                yield _read_text(path, cfg.decode_errors)
-            return
-        rows = lambda: datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+        if kind == "text":  # one file is one document
+            return _file_groups(files, cfg.decode_errors)
+        open_rows = lambda: datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
     else:
-        rows = lambda: datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split=cfg.split, streaming=True)
+        open_rows = lambda: datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split=cfg.split,
+                                                  streaming=True)
+    rows = _guarded(cfg, open_rows)
+    n = rows.num_shards
+    return [functools.partial(_texts, cfg, lambda i=i: rows.shard(n, i)) for i in range(n)]
+
+
+def _file_groups(files: list[str], errors: str) -> list[Callable[[], Iterator[str]]]:
+    def read(group):
+        for path in group:
+            yield _read_text(path, errors)
+
+    return [functools.partial(read, files[i:i + FILES_PER_UNIT]) for i in range(0, len(files), FILES_PER_UNIT)]
+
+
+def _guarded(cfg: DataConfig, fn):
+    """fn(), with datasets/pyarrow/hub errors (many types) turned into a DataError naming the source."""
     try:
-        first = True
-        for row in rows():
-            if first and cfg.text_column not in row:
-                raise DataError(
-                    f"data.text_column: column '{cfg.text_column}' not in {cfg.dataset} (columns: {sorted(row)}); "
-                    f"set --data.text_column"
-                )
-            first = False
-            text = row[cfg.text_column]
-            if text is not None and not isinstance(text, str):
-                raise DataError(f"data.text_column: column '{cfg.text_column}' of {cfg.dataset} holds "
-                                f"{type(text).__name__}, not text; name a string column")
-            if text:
-                yield text
+        return fn()
     except DataError:
         raise
-    except Exception as e:  # datasets/pyarrow/hub errors come in many types; name the source instead
+    except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0][:300]
         raise DataError(f"data.dataset: cannot read '{cfg.dataset}': {type(e).__name__}: {first_line}") from e
+
+
+def _texts(cfg: DataConfig, open_rows) -> Iterator[str]:
+    it = _guarded(cfg, lambda: iter(open_rows()))
+    first = True
+    while True:
+        row = _guarded(cfg, lambda: next(it, None))
+        if row is None:
+            return
+        if first and cfg.text_column not in row:
+            raise DataError(
+                f"data.text_column: column '{cfg.text_column}' not in {cfg.dataset} (columns: {sorted(row)}); "
+                f"set --data.text_column"
+            )
+        first = False
+        text = row[cfg.text_column]
+        if text is not None and not isinstance(text, str):
+            raise DataError(f"data.text_column: column '{cfg.text_column}' of {cfg.dataset} holds "
+                            f"{type(text).__name__}, not text; name a string column")
+        if text:
+            yield text
+
+
+def iter_documents(cfg: DataConfig) -> Iterator[str]:
+    """Yield the source's document texts (str) in order, at most max_documents of them (0: all).
+
+    Raises DataError for a missing path, an unknown file type or a missing text column.
+    """
+    docs = (text for unit in source_units(cfg) for text in unit())
+    yield from itertools.islice(docs, cfg.max_documents or None)
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -241,31 +268,56 @@ def pack_documents(docs: Iterable[list[int]], eot_id: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
-def tokenize_corpus(cfg: DataConfig, tokenizer, batch: int = 256) -> tuple[np.ndarray, int]:
-    """Tokenize every document of the source and pack it. Returns (stream uint32, n_documents).
+DOCS_PER_UNIT = 256
+"""Documents per work unit when max_documents bounds the source (the first N documents in order)."""
 
-    Raises DataError if the source holds no non-empty document.
+
+def _rank_units(cfg: DataConfig, rank: int, world: int) -> Iterator[tuple[int, Iterator[str]]]:
+    """Yield (unit index, documents) for the units rank tokenizes: unit u goes to rank u % world.
+
+    With max_documents the units are blocks of DOCS_PER_UNIT documents of the first N; every
+    rank reads those N (a bounded read) and keeps its blocks. Otherwise the units are the
+    source's own (source_units) and a rank reads only its own.
+    """
+    if not cfg.max_documents:
+        units = source_units(cfg)
+        for u in range(rank, len(units), world):
+            yield u, units[u]()
+        return
+    for u, block in itertools.groupby(enumerate(iter_documents(cfg)), key=lambda item: item[0] // DOCS_PER_UNIT):
+        if u % world == rank:
+            yield u, (text for _, text in block)
+        else:
+            for _ in block:  # groupby needs the block consumed before it moves on
+                pass
+
+
+def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, batch: int = 256) -> tuple[int, int]:
+    """Tokenize and pack documents (blank ones skipped), appending the uint32 stream to out.
+
+    Writes batch by batch, so memory stays bounded however large the unit. Returns
+    (n_tokens written, n_documents).
     """
     eot = tokenizer.token_to_id(EOT)
-    chunks, n_docs, pending = [], 0, []
+    n_tokens, n_docs, pending = 0, 0, []
 
     def flush():
-        nonlocal n_docs
+        nonlocal n_tokens, n_docs
         encs = tokenizer.encode_batch(pending, add_special_tokens=False)
-        chunks.append(pack_documents((e.ids for e in encs), eot))
+        stream = pack_documents((e.ids for e in encs), eot)
+        out.write(stream.tobytes())
+        n_tokens += int(stream.size)
         n_docs += len(pending)
         pending.clear()
 
-    for text in iter_documents(cfg):
+    for text in texts:
         if text.strip():
             pending.append(text)
             if len(pending) >= batch:
                 flush()
     if pending:
         flush()
-    if n_docs == 0:
-        raise DataError(f"data.dataset: '{cfg.dataset}' holds no non-empty document; point it at real text")
-    return np.concatenate(chunks), n_docs
+    return n_tokens, n_docs
 
 
 def num_windows(n_tokens: int, seq_len: int) -> int:
@@ -281,24 +333,81 @@ def window(tokens: np.ndarray, index: int, seq_len: int) -> np.ndarray:
 
 # ---------------------------------------------------------------- the prepared corpus on disk
 
+def share_cores_between_local_ranks() -> None:
+    """Give this process's tokenizer threads its share of the node's cores (call before tokenizing).
+
+    HF tokenizers' thread pool takes every core by default; with torchrun's LOCAL_WORLD_SIZE
+    processes per node that oversubscribes the node that many times. An explicit
+    RAYON_NUM_THREADS is left alone.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local > 1:
+        os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local)))
+
+
+def _gather_single(obj):
+    return [obj]
+
+
+def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_gather=_gather_single) -> dict:
+    """Tokenize the corpus once into out_dir: tokenizer.json, tokens.bin (uint32 stream), meta.json.
+
+    Collective when world > 1: every rank calls it, and all_gather(obj) must return the list
+    of every rank's obj (e.g. torch.distributed.all_gather_object on a gloo group). Rank 0
+    trains or loads the tokenizer; then rank r tokenizes the work units u with u % world == r
+    (see _rank_units) into parts/ of out_dir + '.tmp' (a directory every rank can reach), and
+    rank 0 joins them in unit order. The stream is therefore the same at every world size.
+
+    Reuses what an earlier call left there, so a resumed run reads the same tokens. Writes
+    into out_dir + '.tmp' and renames it at the end: bad input or a crash leaves no out_dir.
+    Returns the meta dict on every rank. Raises DataError, on every rank, for bad input found
+    on any rank, or if out_dir was prepared with other data settings.
+    """
+    tmp = out_dir + ".tmp"
+    parts = os.path.join(tmp, "parts")
+
+    def agree(fn):
+        """fn() on this rank; the results of all ranks, or the first rank's DataError on every rank."""
+        try:
+            result, error = fn(), None
+        except DataError as e:
+            result, error = None, str(e)
+        gathered = all_gather((result, error))
+        errors = [e for _, e in gathered if e is not None]
+        if errors:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise DataError(errors[0])
+        return [r for r, _ in gathered]
+
+    done = agree(lambda: _start_prepare(cfg, out_dir, tmp) if rank == 0 else None)[0]
+    if done is not None:
+        return done
+    tokenizer = load_tokenizer(os.path.join(tmp, "tokenizer.json"))
+
+    def tokenize_mine():
+        counts = []
+        for u, texts in _rank_units(cfg, rank, world):
+            with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
+                counts.append((u, *tokenize_documents(texts, tokenizer, out)))
+        return counts
+
+    counts = sorted(c for rank_counts in agree(tokenize_mine) for c in rank_counts)
+    return agree(lambda: _finish_prepare(cfg, out_dir, tmp, tokenizer, counts) if rank == 0 else None)[0]
+
+
 # Fields that decide the token stream; seq_len, val_fraction and the shuffle apply when it is read.
 _PREPARED_FROM = ("dataset", "dataset_config", "split", "text_column", "max_documents", "decode_errors",
                   "tokenizer", "tokenizer_vocab_size", "tokenizer_train_chars")
 
 
-def prepare(cfg: DataConfig, out_dir: str) -> dict:
-    """Tokenize the corpus once into out_dir (run on one rank): tokenizer.json, tokens.bin, meta.json.
-
-    Reuses what an earlier call left there, so a resumed run reads the same tokens; raises
-    DataError if that was prepared with other data settings. Everything is written into
-    out_dir + '.tmp' and renamed at the end: bad input or a crash leaves no out_dir behind.
-    Returns the meta dict. Raises DataError for bad input.
-    """
+def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict | None:
+    """Rank 0: the meta of an earlier, matching preparation; or None after writing tmp/tokenizer.json."""
     meta_path = os.path.join(out_dir, "meta.json")
-    wanted = {k: getattr(cfg, k) for k in _PREPARED_FROM}
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)
+        wanted = {k: getattr(cfg, k) for k in _PREPARED_FROM}
         changed = [f"data.{k}: {meta['config'].get(k)!r} -> {v!r}" for k, v in wanted.items()
                    if meta.get("config", {}).get(k) != v]
         if changed:
@@ -307,19 +416,34 @@ def prepare(cfg: DataConfig, out_dir: str) -> dict:
                 f"use a new --run_dir, or the settings the run started with"
             )
         return meta
-    tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out_dir, ignore_errors=True)  # no meta.json: an incomplete, derived directory
-    os.makedirs(tmp)
+    os.makedirs(os.path.join(tmp, "parts"))
     if cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
     else:
         tokenizer = train_tokenizer(iter_documents(cfg), cfg.tokenizer_vocab_size, cfg.tokenizer_train_chars)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-    stream, n_docs = tokenize_corpus(cfg, tokenizer)
-    stream.tofile(os.path.join(tmp, "tokens.bin"))
+    return None
+
+
+def _finish_prepare(cfg: DataConfig, out_dir: str, tmp: str, tokenizer, counts: list[tuple[int, int, int]]) -> dict:
+    """Rank 0: join the parts in unit order into tokens.bin, write meta.json, rename tmp to out_dir."""
+    if [u for u, _, _ in counts] != list(range(len(counts))):
+        raise DataError(f"data.dataset: '{cfg.dataset}' changed while it was read (work units {counts[:5]}...)")
+    n_docs = sum(n for _, _, n in counts)
+    if n_docs == 0:
+        raise DataError(f"data.dataset: '{cfg.dataset}' holds no non-empty document; point it at real text")
+    with open(os.path.join(tmp, "tokens.bin"), "wb") as out:
+        for u, _, _ in counts:
+            part = os.path.join(tmp, "parts", f"{u:07d}.bin")
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 24)
+            os.remove(part)
+    os.rmdir(os.path.join(tmp, "parts"))
     meta = {"tokenizer": os.path.join(out_dir, "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size(),
-            "n_tokens": int(stream.size), "n_documents": n_docs, "config": wanted}
+            "n_tokens": sum(n for _, n, _ in counts), "n_documents": n_docs, "work_units": len(counts),
+            "config": {k: getattr(cfg, k) for k in _PREPARED_FROM}}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(tmp, out_dir)
@@ -441,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: prepare a run's data ahead of training, or train a tokenizer alone.
 
         python data.py prepare --config FILE.toml --run_dir DIR [--data.field value ...]
+        torchrun --standalone --nproc_per_node=N data.py prepare ...   (N processes tokenize)
         python data.py tokenizer --config FILE.toml --out tokenizer.json [--data.field value ...]
 
     `prepare` writes what a training run would write into DIR/data (tokenizer.json,
@@ -468,8 +593,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = train_fsdp.parse_config(rest)
         check_source(cfg.data)
         if command == "prepare":
-            meta = prepare(cfg.data, os.path.join(cfg.run_dir, "data"))
-            print(json.dumps({k: v for k, v in meta.items() if k != "config"}))
+            meta = _prepare_command(cfg)
+            if meta is not None:
+                print(json.dumps({k: v for k, v in meta.items() if k != "config"}))
         else:
             tok = train_tokenizer(iter_documents(cfg.data), cfg.data.tokenizer_vocab_size,
                                   cfg.data.tokenizer_train_chars)
@@ -479,6 +605,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _prepare_command(cfg) -> dict | None:
+    """prepare() for the CLI: alone, or on every process of a torchrun launch (meta on rank 0, else None)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1:
+        return prepare(cfg.data, os.path.join(cfg.run_dir, "data"))
+    share_cores_between_local_ranks()
+    import datetime
+
+    import torch.distributed as dist
+
+    # No collective but the gathers of prepare(); its tokenization may take hours.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(hours=24))
+    try:
+        out = [None] * world
+
+        def all_gather(obj):
+            dist.all_gather_object(out, obj)
+            return list(out)
+
+        meta = prepare(cfg.data, os.path.join(cfg.run_dir, "data"), dist.get_rank(), world, all_gather)
+        dist.barrier()
+        return meta if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

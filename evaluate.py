@@ -120,6 +120,26 @@ def prepared_data(cfg, run_cfg, run_dir: str, tokenizer: str) -> str:
     return out
 
 
+def check_inputs(cfg, max_sequences: int, micro_batch_size: int) -> None:
+    """Checks before the process group exists; raise SetupError naming the flag or field and the fix."""
+    if max_sequences < 0:
+        raise train_fsdp.SetupError(f"--max_sequences must be >= 0 (0: the whole split), got {max_sequences}")
+    if micro_batch_size < 0:
+        raise train_fsdp.SetupError(f"--micro_batch_size must be >= 0 (0: the run's), got {micro_batch_size}")
+    if not 0 < cfg.data.seq_len <= cfg.model.max_seq_len:
+        raise train_fsdp.SetupError(f"data.seq_len ({cfg.data.seq_len}) must be in 1..model.max_seq_len "
+                                    f"({cfg.model.max_seq_len})")
+    t = cfg.train
+    if t.micro_batch_size < 0:
+        raise train_fsdp.SetupError(f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
+    if t.dtype not in ("bfloat16", "float32"):
+        raise train_fsdp.SetupError(f"train.dtype must be 'bfloat16' or 'float32', got '{t.dtype}'")
+    if t.device not in ("auto", "cuda", "cpu"):
+        raise train_fsdp.SetupError(f"train.device must be 'auto', 'cuda' or 'cpu', got '{t.device}'")
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise train_fsdp.SetupError("train.device is 'cuda' but no CUDA device is visible; use --train.device cpu")
+
+
 def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_sequences: int = 0,
                  micro_batch_size: int = 0, overrides: list[str] = ()) -> dict:
     """Loss and perplexity of a run's checkpoint (collective: every torchrun rank calls it).
@@ -131,9 +151,7 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
     cfg = train_fsdp.parse_config(["--config", os.path.join(run_dir, "config.toml"), *overrides])
     # Inference: no recompute or compile; the run's dtype (mixed precision) and device stay.
     cfg.train = dataclasses.replace(cfg.train, activation_checkpointing="none", compile=False)
-    if not 0 < cfg.data.seq_len <= cfg.model.max_seq_len or micro_batch_size < 0 or max_sequences < 0:
-        raise train_fsdp.SetupError(f"need 0 < data.seq_len <= model.max_seq_len ({cfg.model.max_seq_len}) and "
-                                    f"non-negative --micro_batch_size and --max_sequences")
+    check_inputs(cfg, max_sequences, micro_batch_size)
     if "RANK" not in os.environ:  # plain `python evaluate.py`: a free port, not a fixed one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -167,13 +185,14 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: prints the result as one JSON line on rank 0; bad input exits with status 2."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config_lib.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run_dir", required=True, help="training run directory")
     p.add_argument("--checkpoint", default="", help="checkpoint directory (default: the run's newest complete one)")
     p.add_argument("--split", default="val", choices=("val", "train", "all"),
                    help="'val' (the held-out tail), 'train' or 'all' windows")
-    p.add_argument("--max_sequences", type=int, default=0, help="only the split's first N windows (0: all)")
-    p.add_argument("--micro_batch_size", type=int, default=0, help="windows per forward pass (default: the run's)")
+    count = config_lib.number(int, lambda v: v >= 0, "an int >= 0")
+    p.add_argument("--max_sequences", type=count, default=0, help="only the split's first N windows (0: all)")
+    p.add_argument("--micro_batch_size", type=count, default=0, help="windows per forward pass (0: the run's)")
     a, overrides = p.parse_known_args(argv)
     try:
         result = evaluate_run(a.run_dir, a.checkpoint, a.split, a.max_sequences, a.micro_batch_size, overrides)

@@ -12,6 +12,7 @@ Prompts are prefixed with [EOT], the token that precedes every document in train
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
@@ -154,28 +155,56 @@ def _cast_parameters(model: Transformer, dtype: torch.dtype) -> None:
         p.data = p.data.to(dtype)
 
 
+def device_arg(text: str) -> torch.device:
+    """--device: a torch device string this machine has (cpu, cuda, cuda:N, mps); argparse errors otherwise."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(f"'{text}': no CUDA device is visible; use --device cpu")
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"'{text}': only {count} CUDA device(s) visible; "
+                                             f"use cuda:0..cuda:{count - 1}")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise argparse.ArgumentTypeError(f"'{text}': MPS is not available here; use --device cpu")
+    elif device.type != "cpu":
+        raise argparse.ArgumentTypeError(f"'{text}': generation runs on cpu, cuda or mps")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line; bad input exits with status 2 and a one-line message."""
     from tokenizers import Tokenizer
 
     import hf
     from checkpoint import CheckpointError
+    from config import ArgumentParser, number
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run_dir", help="training run directory (its newest complete checkpoint unless --checkpoint)")
     src.add_argument("--hf", help="a Hugging Face Llama folder (safetensors + tokenizer.json with [EOT])")
     p.add_argument("--checkpoint", default="", help="checkpoint directory of the run (default: newest complete)")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy decoding")
-    p.add_argument("--top_k", type=int, default=50, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling threshold (1: off)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num_samples", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="e.g. cpu or cuda")
+    p.add_argument("--max_new_tokens", type=number(int, lambda v: v >= 1, "an int >= 1"), default=200)
+    p.add_argument("--temperature", type=number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+                   default=0.8, help="0: greedy decoding")
+    p.add_argument("--top_k", type=number(int, lambda v: v >= 0, "an int >= 0 (0: all)"), default=50,
+                   help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top_p", type=number(float, lambda v: 0 < v <= 1, "a number in (0, 1]"), default=0.95,
+                   help="nucleus sampling threshold (1: off)")
+    # torch.Generator takes seeds in [-2**63, 2**64); sample i uses seed + i.
+    p.add_argument("--seed", type=number(int, lambda v: -2**63 <= v < 2**63, "a 64-bit int"), default=0)
+    p.add_argument("--num_samples", type=number(int, lambda v: 1 <= v <= 2**20, "an int in 1..2**20"), default=1)
+    p.add_argument("--device", type=device_arg, default="cpu", help="e.g. cpu, cuda or cuda:1")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     a = p.parse_args(argv)
+    if a.hf and a.checkpoint:
+        p.error("--checkpoint picks a checkpoint of --run_dir; with --hf leave it out")
     try:
         if a.hf:
             args, _ = hf.read_hf_folder(a.hf)
@@ -185,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             model, tok_path = hf.load_model(a.run_dir, a.checkpoint)
         model.eval().to(a.device)
         _cast_parameters(model, getattr(torch, a.dtype))
-        tok = Tokenizer.from_file(tok_path)
+        try:
+            tok = Tokenizer.from_file(tok_path)
+        except Exception as e:  # tokenizers raises a bare Exception for a bad file
+            raise hf.HFError(f"cannot read tokenizer '{tok_path}': {hf.one_line(e)}") from e
         eot = tok.token_to_id("[EOT]")
         if eot is None:
             raise hf.HFError(f"tokenizer '{tok_path}' has no [EOT] token to start a document with")

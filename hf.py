@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -34,7 +35,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import CheckpointError, check_compatible, complete_checkpoints, read_metadata
-from config import ConfigError
+from config import ArgumentParser, ConfigError
 from model import ModelArgs, Transformer
 
 # ---------------------------------------------------------------- the name mapping
@@ -60,6 +61,18 @@ _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 class HFError(ValueError):
     """A folder that is not a usable Hugging Face Llama, or bad export input; one-line message."""
+
+
+def one_line(e: BaseException, limit: int = 200) -> str:
+    """An exception as one short line: 'Type: message', whitespace collapsed; a DCP CheckpointException
+    (whose text is a traceback) as its first rank's exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (exc, _) = next(iter(failures.items()))
+        return f"rank {rank}: {one_line(exc, limit)}"
+    message = " ".join(str(e).split())
+    text = f"{type(e).__name__}: {message}" if message else type(e).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def to_hf_name(name: str) -> str:
@@ -171,10 +184,16 @@ def read_model_weights(path: str, state_dict: dict[str, Tensor], no_dist: bool =
     """
     check_compatible(path, {k: v.shape for k, v in state_dict.items()})
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     with warnings.catch_warnings():  # DCP warns that it assumes one process, which is the point
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, no_dist=no_dist)
+        try:
+            dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, no_dist=no_dist)
+        except (CheckpointException, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
+            # A truncated or overwritten shard file: the metadata was fine, the data is not.
+            raise CheckpointError(f"checkpoint '{path}' is damaged, its weights cannot be read "
+                                  f"({one_line(e)}); pick another with --checkpoint") from e
 
 
 def load_model(run_dir: str, checkpoint: str = "") -> tuple[Transformer, str]:
@@ -197,7 +216,10 @@ def parse_size(text: str) -> int:
     unit = (m.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
+    size = int(float(m.group(1)) * scale)
+    if size < 1:
+        raise HFError(f"--max_shard_size: '{text}' is less than one byte; use e.g. 5GB")
+    return size
 
 
 def _shards(tensors: dict[str, Tensor], max_bytes: int) -> list[dict[str, Tensor]]:
@@ -224,8 +246,7 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
 
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise HFError(f"--out '{out_dir}' exists and is not empty; remove it or choose another folder")
+    check_out(out_dir)
     with torch.device("meta"):  # shapes only, no memory
         want = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
@@ -244,8 +265,12 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
         raise HFError(f"tokenizer '{tokenizer_path}' has {tok.get_vocab_size()} tokens > vocab_size {args.vocab_size}")
 
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    except OSError as e:
+        raise HFError(f"--out '{out_dir}': cannot create a folder in '{parent}' ({e.strerror}); "
+                      f"choose a writable location") from e
     try:
         tensors = {to_hf_name(k): v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
         shards = _shards(tensors, max_shard_size)
@@ -280,6 +305,18 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_out(out_dir: str) -> None:
+    """Raise HFError unless out_dir is free for an export: absent or an empty folder (nothing is overwritten)."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise HFError(f"--out '{out_dir}' is a file, not a folder; choose a folder path that does not exist")
+    try:
+        taken = os.path.isdir(out_dir) and bool(os.listdir(out_dir))
+    except OSError as e:
+        raise HFError(f"--out '{out_dir}': cannot list it ({e.strerror}); choose another folder") from e
+    if taken:
+        raise HFError(f"--out '{out_dir}' exists and is not empty; remove it or choose another folder")
+
+
 def _publish_permissions(folder: str) -> None:
     """mkdtemp makes a private folder and safetensors private files; give them the usual umask modes."""
     umask = os.umask(0)
@@ -301,6 +338,7 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
 
     Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf).
     """
+    check_out(out_dir)  # before reading a large checkpoint
     cfg, path, tokenizer = load_run(run_dir, checkpoint)
     with torch.device("meta"):
         shapes = Transformer(cfg.model).state_dict()
@@ -328,13 +366,11 @@ def read_hf_folder(folder: str) -> tuple[ModelArgs, dict[str, str]]:
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(index):
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise HFError(f"'{index}' has no weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise HFError(f"'{index}' has no weight_map of tensor name -> file name")
         files = {k: os.path.join(folder, v) for k, v in weight_map.items()}
     elif os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, "pt") as f:
+        with _open_safetensors(single) as f:
             files = dict.fromkeys(f.keys(), single)
     else:
         raise HFError(f"'{folder}' has no model.safetensors or model.safetensors.index.json "
@@ -344,10 +380,23 @@ def read_hf_folder(folder: str) -> tuple[ModelArgs, dict[str, str]]:
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise HFError(f"cannot read '{path}': {e}") from e
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
+        raise HFError(f"cannot read '{path}': {one_line(e)}") from e
+    if not isinstance(obj, dict):
+        raise HFError(f"'{path}' holds a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def _open_safetensors(path: str):
+    """safe_open(path) for reading tensors; HFError for a missing, truncated or corrupt file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, "pt")
+    except (SafetensorError, OSError) as e:
+        raise HFError(f"cannot read weights '{path}': {one_line(e)}; export or download the folder again") from e
 
 
 def check_args(folder: str, args: ModelArgs) -> None:
@@ -369,11 +418,9 @@ def iter_hf_tensors(folder: str) -> Iterator[tuple[str, Tensor]]:
     A folder without lm_head.weight (tied embeddings) yields the embedding again as output.weight:
     this model keeps them untied. Raises HFError for a tensor outside the mapping.
     """
-    from safetensors import safe_open
-
     _, files = read_hf_folder(folder)
     for path in sorted(set(files.values())):
-        with safe_open(path, "pt") as f:
+        with _open_safetensors(path) as f:
             for name in f.keys():
                 if _IGNORED.match(name):
                     continue
@@ -425,7 +472,7 @@ def tokenizer_path(folder: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python hf.py export ...`; bad input exits with status 2 and a one-line message."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face Llama folder")
     e.add_argument("--run_dir", required=True, help="training run directory (config.toml, data/, checkpoints/)")

@@ -12,12 +12,12 @@ import torch
 GPU_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 
 
-def measured_cpu_peak_flops(n: int = 1024, seconds: float = 0.3) -> float:
+def measured_cpu_peak_flops(n: int = 2048, seconds: float = 0.3) -> float:
     """Dense fp32 matmul rate of this process, FLOP/s: the CPU's MFU denominator.
 
     Times repeated n x n x n fp32 matmuls (2 n^3 FLOPs each) with the process's current
     torch thread count for about `seconds` (at least one timed matmul after a warm-up one), and
-    returns the best rate seen. n: matrix size (the benchmark uses 2048).
+    returns the best rate seen. n: matrix size (2048, as in the benchmark).
     """
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up

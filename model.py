@@ -57,10 +57,9 @@ class ModelArgs:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
-        if not self.norm_eps > 0:
-            raise ValueError(f"model.norm_eps must be > 0, got {self.norm_eps}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"model.rope_theta must be > 0, got {self.rope_theta}")
+        for name in ("norm_eps", "rope_theta"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:

@@ -32,7 +32,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import config as config_lib
 import data as data_lib
 import hf
-from checkpoint import AppState, CheckpointConfig, CheckpointError, Checkpointer, TrainState, check_compatible
+from checkpoint import (AppState, CheckpointConfig, CheckpointError, Checkpointer, TrainState, check_compatible,
+                        check_same_config, lock_run_dir)
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import PRESETS, ModelArgs, Transformer, flops_per_token, num_params
 
@@ -158,8 +159,14 @@ def validate(cfg: Config, world_size: int, tp: int) -> None:
         raise SetupError(
             f"train.activation_checkpointing must be 'none', 'full' or 'selective', got '{t.activation_checkpointing}'"
         )
+    if not 0 <= t.seed < 2 ** 32:
+        raise SetupError(f"train.seed must be in 0..2**32-1, got {t.seed}")
     if t.log_interval <= 0:
         raise SetupError(f"train.log_interval must be > 0, got {t.log_interval}")
+    for name, value in (("train.val_interval", t.val_interval), ("train.val_batches", t.val_batches),
+                        ("train.micro_batch_size", t.micro_batch_size), ("checkpoint.keep", cfg.checkpoint.keep)):
+        if value < 0:
+            raise SetupError(f"{name} must be >= 0, got {value}")
     if cfg.checkpoint.interval <= 0:
         raise SetupError(f"checkpoint.interval must be > 0, got {cfg.checkpoint.interval}")
     o = cfg.optim
@@ -431,6 +438,31 @@ def on_rank0(fn, rank: int):
     return box[0]
 
 
+def prepare_data(cfg: Config, rank: int, world_size: int) -> dict:
+    """data.prepare on every rank (collective), on a gloo group whose timeout allows a large corpus.
+
+    Raises SetupError on every rank for bad data found on any rank or a tokenizer larger than the model.
+    """
+    # Tokenizing a large corpus can outlast the default group's 30-minute timeout; a hung peer is
+    # still caught, because torchrun stops every rank when one fails.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=24))
+    data_lib.share_cores_between_local_ranks()
+
+    def all_gather(obj):
+        out = [None] * world_size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    try:
+        meta = data_lib.prepare(cfg.data, os.path.join(cfg.run_dir, "data"), rank, world_size, all_gather)
+    except data_lib.DataError as e:
+        raise SetupError(str(e)) from None
+    finally:
+        dist.destroy_process_group(group)
+    check_vocab(meta["vocab_size"], cfg.model.vocab_size, meta["tokenizer"])
+    return meta
+
+
 class StopFlag:
     """SIGTERM (preemption) sets a flag; ranks agree on it once per step, so all stop together."""
 
@@ -486,13 +518,16 @@ def run(cfg: Config, tensor_parallel: Callable[[Transformer, DeviceMesh], None] 
     tp = cfg.parallel.tp
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate(cfg, world_size, tp)
-    rank, world_size, device = init_distributed(cfg)
+    lock = lock_run_dir(cfg.run_dir) if int(os.environ.get("RANK", 0)) == 0 else None
     try:
+        rank, world_size, device = init_distributed(cfg)
         train(build(cfg, rank, world_size, device, tensor_parallel), loss_context)
         finish_distributed()
     finally:
         if dist.is_initialized():  # after an error: no barrier, a peer may never reach it
             dist.destroy_process_group()
+        if lock is not None:
+            lock.close()
 
 
 @dataclasses.dataclass
@@ -527,15 +562,9 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device,
     dp_rank = mesh["dp"].get_local_rank()
     torch.manual_seed(cfg.train.seed)
 
-    # Data: one rank tokenizes into the run directory, the others map it.
+    # Data: all ranks tokenize their share of the corpus into the run directory, then map it.
     data_dir = os.path.join(cfg.run_dir, "data")
-
-    def prepare():
-        meta = data_lib.prepare(cfg.data, data_dir)
-        check_vocab(meta["vocab_size"], cfg.model.vocab_size, meta["tokenizer"])
-        return meta
-
-    meta = on_rank0(prepare, rank)
+    meta = prepare_data(cfg, rank, world_size)
     corpus = data_lib.PackedCorpus(data_dir, cfg.data)
     micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // dp
     data_state = data_lib.DataState()
@@ -550,7 +579,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device,
     optimizer, scheduler = build_optimizer(model, cfg, device)
 
     train_state = TrainState()
-    ckpt = Checkpointer(cfg.checkpoint, cfg.run_dir, rank)
+    ckpt = Checkpointer(cfg.checkpoint, cfg.run_dir, rank, config_lib.to_toml(cfg))
     app = AppState(model, optimizer, scheduler, train_state, data_state, rank)
 
     def find_resume():
@@ -558,6 +587,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device,
         path = ckpt.resume_path()
         if path is not None:
             check_compatible(path, full_shapes)
+            check_same_config(path, "model", dataclasses.asdict(cfg.model))
         return path
 
     path = on_rank0(find_resume, rank) if resume else None

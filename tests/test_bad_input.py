@@ -2,18 +2,21 @@
 exits with status 2, and leaves an existing run directory exactly as it was."""
 import json
 import os
+import shutil
 import socket
 
 import pytest
 
+import checkpoint as ckpt_lib
 import data
 import train_fsdp
 from launch import DEBUG, debug_run, losses, metrics, prepared_data_dir
 
 
 def _snapshot(rd):
+    """Every file with its mtime and size; the run-directory lock (rewritten by whoever takes it) aside."""
     return sorted((os.path.join(d, f), os.path.getmtime(os.path.join(d, f)), os.path.getsize(os.path.join(d, f)))
-                  for d, _, fs in os.walk(rd) for f in fs)
+                  for d, _, fs in os.walk(rd) for f in fs if f != ".lock")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +64,10 @@ PRE_GROUP = [
     (["--optim.beta1", "1.5"], "optim.beta1 must be in [0, 1), got 1.5"),
     (["--optim.eps", "-1"], "optim.eps must be > 0, got -1.0"),
     (["--train", "3"], "'train' is a section: set its fields as --train.FIELD value"),
+    (["--train.val_interval", "-1"], "train.val_interval must be >= 0, got -1"),
+    (["--checkpoint.keep", "-2"], "checkpoint.keep must be >= 0, got -2"),
+    (["--train.seed", "-1"], "train.seed must be in 0..2**32-1, got -1"),
+    (["--model.rope_theta", "inf"], "model.rope_theta must be a finite number > 0, got inf"),
 ]
 
 
@@ -165,3 +172,32 @@ def test_a_checkpoint_with_a_missing_shard_file_is_named(tmp_path):
     err = _errors(proc.stderr)
     assert proc.returncode != 0 and err and f"is incomplete: '{shard.name}' is missing" in err[0], proc.stderr[-2000:]
     assert _snapshot(rd) == before
+
+
+def test_changed_model_settings_on_resume_are_refused(existing_run):
+    before = _snapshot(existing_run)
+    rc, err = _bad_data_run(existing_run, "--model.rope_theta", "500000", "--train.steps", "3")
+    assert rc != 0 and "saved with other settings (model.rope_theta: checkpoint 10000.0, now 500000.0)" in err[0]
+    assert _snapshot(existing_run) == before
+
+
+def test_a_run_directory_in_use_stops_a_second_run(existing_run, monkeypatch, capsys):
+    before = _snapshot(existing_run)
+    holder = ckpt_lib.lock_run_dir(str(existing_run))  # another run, as far as the lock can tell
+    try:
+        rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), "--train.steps", "3")
+    finally:
+        holder.close()
+    assert rc == 2 and f"--run_dir '{existing_run}' is in use by a run with pid {os.getpid()}" in err
+    assert _snapshot(existing_run) == before
+
+
+def test_a_damaged_checkpoint_is_named_on_resume(existing_run, tmp_path):
+    rd = tmp_path / "run"
+    shutil.copytree(existing_run, rd)
+    newest = ckpt_lib.complete_checkpoints(str(rd / "checkpoints"))[-1][1]
+    shard = os.path.join(newest, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    rc, err = _bad_data_run(rd, "--train.steps", "3")
+    assert rc != 0 and f"checkpoint '{newest}' is damaged, it cannot be read (rank 0:" in err[0], err

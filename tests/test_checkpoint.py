@@ -159,7 +159,8 @@ def test_a_checkpoint_of_another_model_stops_the_run_before_anything_is_overwrit
 
 
 def _files(rd):
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(rd) for f in fs)
+    """Every file of a run directory but its lock (rewritten by whichever run takes it)."""
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(rd) for f in fs if f != ".lock")
 
 
 COMMON = ["--train.steps", "10", "--train.seed", "0", "--checkpoint.interval", "2", "--train.val_interval", "0"]
@@ -231,3 +232,21 @@ def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, referen
     assert sorted(got_one) == [5, 6] and sorted(got_two) == list(range(7, 11))
     for got in (got_one, got_two):
         assert max(abs(got[s] - want[s]) / want[s] for s in got) <= 1e-4
+
+
+def test_load_from_starts_a_new_run_once_then_the_run_resumes_from_its_own(tmp_path, reference):
+    rd = tmp_path / "branch"
+    prepared_data_dir(rd)
+    start = str(reference / "checkpoints" / "step_00000004")
+    debug_run(1, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "6")
+    # The same command again, after more steps were asked for: it must continue from its own step 6,
+    # not go back to step 4, and a step directory without .metadata must not block the save at 8.
+    (rd / "checkpoints" / "step_00000008").mkdir()
+    (rd / "checkpoints" / "step_00000008" / "junk").write_text("left by a deleted checkpoint")
+    proc = debug_run(1, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "8")
+    assert "has checkpoints of its own: resuming from the newest" in proc.stdout
+    assert [r["step"] for r in metrics(rd) if "loss" in r] == [5, 6, 7, 8]
+    want, got = losses(reference), losses(rd)
+    assert max(abs(got[s] - want[s]) / want[s] for s in got) <= 1e-4  # warmup: LR is independent of steps
+    saved = ckpt_lib.complete_checkpoints(str(rd / "checkpoints"))
+    assert [s for s, _ in saved][-1] == 8 and not (rd / "checkpoints" / "step_00000008" / "junk").exists()

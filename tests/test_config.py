@@ -54,3 +54,50 @@ def test_help_lists_every_field_with_its_doc(capsys):
         for name in cls.__dataclass_fields__:
             assert f"--{section}.{name} " in out
             assert docs.get(name), f"{section}.{name} has no doc"
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--train.steps", "99999999999999999999999"], "train.steps: 99999999999999999999999 is out of range"),
+    (["--train.seed", "-99999999999999999999999"], "train.seed: -99999999999999999999999 is out of range"),
+    (["--train.steps", "--model.n_layers", "3"], "--train.steps needs a value: --train.steps VALUE"),
+    (["--model.preset", "banana"], "unknown preset 'banana'; valid: debug,"),
+    (["--train.compile", "maybe"], "train.compile: expected bool, got 'maybe'"),
+    (["--train.steps", "1" * 500], "train.steps: " + "1" * 20),
+    (["--optim.lr", "x" * 500], "optim.lr: expected float, got 'xxx"),
+])
+def test_bad_override_values_are_config_errors(argv, msg):
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--config", DEBUG, *argv])
+    assert msg in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 200, str(e.value)
+
+
+@pytest.mark.parametrize("toml, msg", [
+    (b"model = 5\n", "'model' is a section: set its fields as --model.FIELD value or in [model]"),
+    (b"[[train]]\nsteps = 3\n", "'train' is a section"),
+    (b"\xff\xfe", "is not UTF-8 text (byte 0); give a TOML file"),
+    (b"[train\nsteps = 3\n", "is not valid TOML: Expected ']'"),
+    (b"[train]\nsteps = [1, 2]\n", "train.steps: expected int, got [1, 2]"),
+    (b"[train]\nsteps = true\n", "train.steps: expected int, got True"),
+    (b"[train]\nsteps = {a = 1}\n", "train.steps: expected int, got {'a': 1}"),
+    (b"[train]\ndtype = 5\n", "train.dtype: expected str, got 5"),
+    (b"[train]\nsteps = 99999999999999999999999\n", "train.steps: 99999999999999999999999 is out of range"),
+    (b"[optim]\nlr = 1" + b"0" * 400 + b"\n", "optim.lr: expected float, got 1000"),
+    (b"[model]\npreset = 5\n", "model.preset: expected a preset name (str), got 5; valid: debug,"),
+    (b"[model]\npreset = [\"debug\"]\n", "model.preset: expected a preset name (str), got ['debug']"),
+    (b"run_dir = {a = 1}\n", "run_dir: expected str, got {'a': 1}"),
+])
+def test_bad_toml_files_are_config_errors(tmp_path, toml, msg):
+    path = tmp_path / "bad.toml"
+    path.write_bytes(toml)
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--config", str(path)])
+    assert msg in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 300, str(e.value)
+
+
+def test_unreadable_config_paths_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read .* Is a directory; give an existing TOML file"):
+        parse_config(["--config", str(tmp_path)])
+    with pytest.raises(ConfigError, match="embedded null byte"):
+        parse_config(["--config", "a\0b.toml"])
+    with pytest.raises(ConfigError, match="--config needs a value"):
+        parse_config(["--config"])

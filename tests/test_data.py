@@ -2,6 +2,7 @@
 batches with disjoint rank slices, reshuffled epochs, exact resume of the loader position."""
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -138,10 +139,11 @@ def test_missing_and_empty_sources_fail_with_the_field(tmp_path):
     with pytest.raises(DataError, match="data.dataset: no file matches"):
         list(data.iter_documents(DataConfig(dataset=str(tmp_path / "nope" / "*.txt"))))
     (tmp_path / "empty.txt").write_text("   \n")
-    cfg = DataConfig(dataset=str(tmp_path / "empty.txt"))
-    tok = data.train_tokenizer(["hello world"], 300, 1000)
+    data.train_tokenizer(["hello world"], 300, 1000).save(str(tmp_path / "tok.json"))
+    cfg = DataConfig(dataset=str(tmp_path / "empty.txt"), tokenizer=str(tmp_path / "tok.json"))
     with pytest.raises(DataError, match="no non-empty document"):
-        data.tokenize_corpus(cfg, tok)
+        data.prepare(cfg, str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["empty.txt", "tok.json"]  # neither out nor out.tmp is left
 
 
 def test_jsonl_source_reads_the_text_column_and_reports_a_missing_one(tmp_path):
@@ -170,3 +172,84 @@ def test_prepare_and_tokenizer_commands(tmp_path, capsys):
                       "--data.tokenizer_vocab_size", "400"]) == 0
     assert data.load_tokenizer(str(out)).get_vocab_size() == 400
     assert data.main(["tokenizer", "--config", DEBUG]) == 2
+
+
+def _threads_gather(world):
+    """all_gather functions for `world` threads that stand in for ranks (same contract as gloo's)."""
+    barrier, slots = threading.Barrier(world, timeout=60), [None] * world
+
+    def make(rank):
+        def all_gather(obj):
+            slots[rank] = obj
+            barrier.wait()
+            out = list(slots)
+            barrier.wait()  # nobody overwrites a slot before everyone has read it
+            return out
+        return all_gather
+    return [make(r) for r in range(world)]
+
+
+def _prepare_on_ranks(cfg, out, world):
+    """data.prepare on `world` threads as ranks; returns each rank's meta or DataError."""
+    gathers, results = _threads_gather(world), [None] * world
+
+    def rank_main(rank):
+        try:
+            results[rank] = data.prepare(cfg, out, rank, world, gathers[rank])
+        except DataError as e:
+            results[rank] = e
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+@pytest.mark.parametrize("source", ["txt", "jsonl", "max_documents"])
+def test_tokenizing_on_3_ranks_writes_the_stream_of_1_rank_byte_for_byte(tmp_path, monkeypatch, source):
+    monkeypatch.setattr(data, "FILES_PER_UNIT", 4)  # several units per rank, some ranks with more than others
+    monkeypatch.setattr(data, "DOCS_PER_UNIT", 5)
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"doc {i} " + "lorem ipsum dolor " * (i % 7) for i in range(37)]
+    if source == "jsonl":
+        for f in range(7):
+            (src / f"part{f}.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[f::7]))
+    else:
+        for i, t in enumerate(texts):
+            (src / f"d{i:02d}.txt").write_text(t)
+    data.train_tokenizer(texts, 300, 10**6).save(str(tmp_path / "tok.json"))
+    cfg = DataConfig(dataset=str(src), tokenizer=str(tmp_path / "tok.json"),
+                     max_documents=23 if source == "max_documents" else 0)
+    ref = data.prepare(cfg, str(tmp_path / "one"))
+    metas = _prepare_on_ranks(cfg, str(tmp_path / "three"), 3)
+    assert all(m == {**ref, "tokenizer": str(tmp_path / "three" / "tokenizer.json")} for m in metas)
+    assert ref["work_units"] > 3 and ref["n_documents"] == (23 if source == "max_documents" else 37)
+    one, three = [(tmp_path / d / "tokens.bin").read_bytes() for d in ("one", "three")]
+    assert one == three
+    assert sorted(os.listdir(tmp_path / "three")) == ["meta.json", "tokenizer.json", "tokens.bin"]
+
+
+def test_bad_input_found_by_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "FILES_PER_UNIT", 2)
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(8):
+        (src / f"d{i}.txt").write_text(f"document {i}")
+    (src / "d5.txt").write_bytes(b"caf\xe9")  # in unit 2, which rank 2 of 3 reads
+    data.train_tokenizer(["document"], 300, 10**6).save(str(tmp_path / "tok.json"))
+    cfg = DataConfig(dataset=str(src), tokenizer=str(tmp_path / "tok.json"))
+    results = _prepare_on_ranks(cfg, str(tmp_path / "out"), 3)
+    assert all(isinstance(r, DataError) and "d5.txt' is not valid UTF-8" in str(r) for r in results)
+    assert sorted(os.listdir(tmp_path)) == ["src", "tok.json"]
+
+
+def test_prepare_under_torchrun_equals_one_process(tmp_path):
+    from launch import DEBUG, torchrun
+
+    args = ["prepare", "--config", DEBUG, "--data.max_documents", "40"]
+    assert data.main(args + ["--run_dir", str(tmp_path / "one")]) == 0
+    torchrun(2, "data.py", *args, "--run_dir", str(tmp_path / "two"))
+    for name in ("tokens.bin", "tokenizer.json"):
+        assert (tmp_path / "one" / "data" / name).read_bytes() == (tmp_path / "two" / "data" / name).read_bytes()

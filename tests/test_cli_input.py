@@ -1,0 +1,182 @@
+"""generate.py, evaluate.py and hf.py refuse bad input with one line 'error: ...' naming the flag
+or file and the fix, exit status 2 and no traceback, and overwrite nothing that exists."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import evaluate
+import generate
+import hf
+from debug_export import debug_run_dir
+from launch import ROOT
+from model import ModelArgs
+from models import random_model
+
+TINY = dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=320, ffn_dim=64, max_seq_len=32)
+
+
+def _refused(main, argv, capsys) -> str:
+    """main(argv) in this process must exit with status 2 and one line 'error: ...'; returns the line."""
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's errors
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def _tree(folder) -> dict:
+    """{relative path: bytes} of every file under folder, to prove a refusal left it as it was."""
+    out = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            path = os.path.join(d, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, folder)] = fh.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> str:
+    """A tiny Hugging Face Llama folder (random weights, a small trained tokenizer)."""
+    import data
+
+    root = tmp_path_factory.mktemp("cli_hf")
+    tok = str(root / "tokenizer.json")
+    data.train_tokenizer([open(os.path.join(ROOT, "model.py")).read()], 320, 50_000).save(tok)
+    args = ModelArgs(**TINY)
+    hf.save_hf(random_model(args).state_dict(), args, tok, str(root / "hf"))
+    return str(root / "hf")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max_new_tokens", "0"], ["--max_new_tokens", "'0'", "int >= 1"]),
+    (["--max_new_tokens", "-5"], ["--max_new_tokens", "'-5'"]),
+    (["--temperature", "nan"], ["--temperature", "'nan'", "finite number >= 0"]),
+    (["--temperature", "-1"], ["--temperature", "'-1'"]),
+    (["--top_p", "0"], ["--top_p", "(0, 1]"]),
+    (["--top_p", "1.5"], ["--top_p", "'1.5'"]),
+    (["--top_k", "-1"], ["--top_k", "'-1'", "int >= 0"]),
+    (["--num_samples", "0"], ["--num_samples", "'0'"]),
+    (["--seed", "99999999999999999999999"], ["--seed", "64-bit"]),
+    (["--device", "banana"], ["--device", "'banana'", "use cpu, cuda"]),
+    (["--device", "cuda:99"], ["--device", "'cuda:99'", "CUDA device"]),
+    (["--device", "meta"], ["--device", "'meta'"]),
+    (["--checkpoint", "x", "--hf", "y"], ["--checkpoint", "--run_dir", "--hf"]),
+])
+def test_generate_refuses_bad_flags_before_loading(tmp_path, capsys, argv, words):
+    src = [] if "--hf" in argv else ["--run_dir", str(tmp_path / "never_read")]
+    line = _refused(generate.main, [*src, *argv], capsys)
+    assert all(w in line for w in words), line
+
+
+def test_generate_names_a_missing_run_or_folder(tmp_path, capsys):
+    assert "has no config.toml" in _refused(generate.main, ["--run_dir", str(tmp_path / "nope")], capsys)
+    assert "is not a directory" in _refused(generate.main, ["--hf", str(tmp_path / "nope")], capsys)
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"", "header too small"),
+    (b"\xff" * 100, "header too large"),
+    (None, "not fully covered"),  # the real file cut short
+], ids=["empty", "garbage", "truncated"])
+def test_a_corrupt_safetensors_file_is_named(tmp_path, capsys, hf_folder, content, words):
+    bad = tmp_path / "hf"
+    shutil.copytree(hf_folder, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:2000] if content is None else content)
+    line = _refused(generate.main, ["--hf", str(bad), "--max_new_tokens", "2"], capsys)
+    assert f"cannot read weights '{weights}'" in line and words in line and "again" in line, line
+    with pytest.raises(hf.HFError, match="cannot read weights"):
+        hf.read_hf_folder(str(bad))
+
+
+def test_a_bad_config_json_is_named(tmp_path, capsys, hf_folder):
+    bad = tmp_path / "hf"
+    shutil.copytree(hf_folder, bad)
+    (bad / "config.json").write_bytes(b"[1, 2]")
+    assert "holds a JSON list, not an object" in _refused(generate.main, ["--hf", str(bad)], capsys)
+    (bad / "config.json").write_bytes(b"\xff\xfe{")
+    assert "config.json': UnicodeDecodeError" in _refused(generate.main, ["--hf", str(bad)], capsys)
+
+
+def test_export_refuses_an_existing_file_or_folder_and_leaves_it(tmp_path, tmp_path_factory, capsys):
+    run = debug_run_dir(tmp_path_factory)
+    afile = tmp_path / "model"
+    afile.write_bytes(b"precious\n")
+    line = _refused(hf.main, ["export", "--run_dir", run, "--out", str(afile)], capsys)
+    assert f"--out '{afile}' is a file" in line and "choose a folder path" in line
+    assert afile.read_bytes() == b"precious\n"
+    full = tmp_path / "full"
+    (full / "sub").mkdir(parents=True)
+    (full / "keep.txt").write_bytes(b"keep")
+    (full / "sub" / "model.safetensors").write_bytes(b"old weights")
+    before = _tree(full)
+    line = _refused(hf.main, ["export", "--run_dir", run, "--out", str(full)], capsys)
+    assert f"--out '{full}' exists and is not empty" in line
+    line = _refused(hf.main, ["export", "--run_dir", run, "--out", str(afile / "below")], capsys)
+    assert "cannot create a folder in" in line and "choose a writable location" in line
+    assert _tree(full) == before and afile.read_bytes() == b"precious\n"
+    assert sorted(os.listdir(tmp_path)) == ["full", "model"]  # no half-written export left behind
+    assert "--max_shard_size: '0'" in _refused(hf.main, ["export", "--run_dir", run, "--out", str(tmp_path / "x"),
+                                                         "--max_shard_size", "0"], capsys)
+    assert "required: --run_dir, --out" in _refused(hf.main, ["export"], capsys)
+
+
+def test_a_run_without_checkpoints_or_with_a_damaged_one(tmp_path, tmp_path_factory, capsys):
+    run = debug_run_dir(tmp_path_factory)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copyfile(os.path.join(run, "config.toml"), bare / "config.toml")
+    os.symlink(os.path.join(run, "data"), bare / "data")
+    line = _refused(hf.main, ["export", "--run_dir", str(bare), "--out", str(tmp_path / "out")], capsys)
+    assert "no complete checkpoint in" in line and not (tmp_path / "out").exists()
+    # The same run with one checkpoint shard cut short: the metadata reads, the weights do not.
+    shutil.copytree(os.path.join(run, "checkpoints"), bare / "checkpoints")
+    ckpt = next((bare / "checkpoints").iterdir())
+    for shard in ckpt.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:1000])
+    line = _refused(generate.main, ["--run_dir", str(bare), "--max_new_tokens", "2"], capsys)
+    assert f"checkpoint '{ckpt}' is damaged" in line and "pick another with --checkpoint" in line, line
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max_sequences", "-1"], "argument --max_sequences: expected an int >= 0, got '-1'"),
+    (["--micro_batch_size", "x"], "argument --micro_batch_size"),
+    (["--split", "test"], "argument --split: invalid choice: 'test'"),
+    (["--train.device", "banana"], "train.device must be 'auto', 'cuda' or 'cpu', got 'banana'"),
+    (["--train.dtype", "fp8"], "train.dtype must be 'bfloat16' or 'float32', got 'fp8'"),
+    (["--data.seq_len", "0"], "data.seq_len (0) must be in 1..model.max_seq_len"),
+    (["--train.seed", "99999999999999999999999"], "train.seed: 99999999999999999999999 is out of range"),
+])
+def test_evaluate_refuses_bad_input_before_the_process_group(tmp_path_factory, capsys, argv, words):
+    line = _refused(evaluate.main, ["--run_dir", debug_run_dir(tmp_path_factory), *argv], capsys)
+    assert words in line, line
+
+
+def test_evaluate_names_a_missing_run(tmp_path, capsys):
+    assert f"run directory '{tmp_path / 'nope'}' has no config.toml" in _refused(
+        evaluate.main, ["--run_dir", str(tmp_path / "nope")], capsys)
+
+
+@pytest.mark.parametrize("script, argv, words", [
+    ("generate.py", ["--run_dir", "nope", "--device", "banana"], "argument --device: 'banana' is not a device"),
+    ("train_fsdp.py", ["--config", "{bad}"], "is not UTF-8 text"),
+])
+def test_a_real_command_line_prints_one_line_and_exits_2(tmp_path, script, argv, words):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe")
+    argv = [a.replace("{bad}", str(bad)) for a in argv]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: ") and words in proc.stderr.splitlines()[0], proc.stderr
+    assert proc.stdout == "" and bad.read_bytes() == b"\xff\xfe"
