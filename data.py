@@ -383,9 +383,14 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
     done = agree(lambda: _start_prepare(cfg, out_dir, tmp) if rank == 0 else None)[0]
     if done is not None:
         return done
-    tokenizer = load_tokenizer(os.path.join(tmp, "tokenizer.json"))
+    tokenizer = None
 
     def tokenize_mine():
+        nonlocal tokenizer
+        if not os.path.isfile(os.path.join(tmp, "tokenizer.json")):
+            raise DataError(f"rank {rank} cannot see '{tmp}', which rank 0 wrote: the run directory must be on "
+                            f"a filesystem that every node shares")
+        tokenizer = load_tokenizer(os.path.join(tmp, "tokenizer.json"))
         counts = []
         for u, texts in _rank_units(cfg, rank, world):
             with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
@@ -417,7 +422,9 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict | None:
             )
         return meta
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(out_dir, ignore_errors=True)  # no meta.json: an incomplete, derived directory
+    if os.path.exists(out_dir):  # ours always has meta.json (tmp is renamed whole): this is someone's files
+        raise DataError(f"'{out_dir}' exists but was not prepared by this tool (no meta.json); move it away, "
+                        f"or use another --run_dir")
     os.makedirs(os.path.join(tmp, "parts"))
     if cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
