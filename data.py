@@ -422,9 +422,10 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict | None:
             )
         return meta
     shutil.rmtree(tmp, ignore_errors=True)
-    if os.path.exists(out_dir):  # ours always has meta.json (tmp is renamed whole): this is someone's files
+    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):  # ours has meta.json (tmp is renamed whole): this is someone's files
         raise DataError(f"'{out_dir}' exists but was not prepared by this tool (no meta.json); move it away, "
                         f"or use another --run_dir")
+    shutil.rmtree(out_dir, ignore_errors=True)  # an empty folder
     os.makedirs(os.path.join(tmp, "parts"))
     if cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
