@@ -249,8 +249,8 @@ class Checkpointer:
         """
         found = complete_checkpoints(self.root)
         if self.cfg.load_from:
-            read_metadata(self.cfg.load_from)
-            if not found:
+            if not found:  # once the run has its own, the source may be gone: only read it when it is used
+                read_metadata(self.cfg.load_from)
                 return self.cfg.load_from
             if os.path.realpath(found[-1][1]) != os.path.realpath(self.cfg.load_from):
                 print(f"[checkpoint] {self.root} has checkpoints of its own: resuming from the newest, "
