@@ -406,13 +406,18 @@ _PREPARED_FROM = ("dataset", "dataset_config", "split", "text_column", "max_docu
                   "tokenizer", "tokenizer_vocab_size", "tokenizer_train_chars")
 
 
+def _prepared_from(cfg: DataConfig) -> dict:
+    """The data settings a prepared directory records and a later run must repeat."""
+    return {k: getattr(cfg, k) for k in _PREPARED_FROM}
+
+
 def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict | None:
     """Rank 0: the meta of an earlier, matching preparation; or None after writing tmp/tokenizer.json."""
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)
-        wanted = {k: getattr(cfg, k) for k in _PREPARED_FROM}
+        wanted = _prepared_from(cfg)
         changed = [f"data.{k}: {meta['config'].get(k)!r} -> {v!r}" for k, v in wanted.items()
                    if meta.get("config", {}).get(k) != v]
         if changed:
@@ -451,7 +456,7 @@ def _finish_prepare(cfg: DataConfig, out_dir: str, tmp: str, tokenizer, counts: 
     os.rmdir(os.path.join(tmp, "parts"))
     meta = {"tokenizer": os.path.join(out_dir, "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size(),
             "n_tokens": sum(n for _, n, _ in counts), "n_documents": n_docs, "work_units": len(counts),
-            "config": {k: getattr(cfg, k) for k in _PREPARED_FROM}}
+            "config": _prepared_from(cfg)}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
     os.replace(tmp, out_dir)
