@@ -15,13 +15,16 @@ names, so a checkpoint loads at another world size or parallel layout.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
+import pickle
 import re
 import shutil
 import socket
-import tomllib
+import warnings
 from concurrent.futures import Future
 
+import tomllib
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -30,10 +33,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from errors import ConfigError, UserError, one_line
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message names the directory and the mismatch."""
 
 
@@ -47,6 +52,12 @@ class CheckpointConfig:
     """Write checkpoints in a background thread while training goes on (state staged to CPU first)."""
     load_from: str = ""
     """Start from this checkpoint directory (e.g. another run's) while the run directory has no checkpoint of its own; once it has, a re-run resumes from its own newest, so the same command survives preemption."""
+
+    def __post_init__(self) -> None:
+        if self.interval <= 0:
+            raise ConfigError(f"checkpoint.interval must be > 0, got {self.interval}")
+        if self.keep < 0:
+            raise ConfigError(f"checkpoint.keep must be >= 0, got {self.keep}")
 
 
 @dataclasses.dataclass
@@ -189,8 +200,6 @@ def lock_run_dir(run_dir: str):
     SIGKILL, so no stale lock survives a crash. File systems without locks are not guarded.
     Raises CheckpointError naming the holder.
     """
-    import fcntl
-
     f = open(os.path.join(run_dir, ".lock"), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -207,6 +216,33 @@ def lock_run_dir(run_dir: str):
     f.write(f"a run with pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     return f
+
+
+def newest_checkpoint(run_dir: str) -> str:
+    """The newest complete checkpoint of a run directory; CheckpointError if it has none."""
+    found = complete_checkpoints(os.path.join(run_dir, "checkpoints"))
+    if not found:
+        raise CheckpointError(f"no complete checkpoint in '{os.path.join(run_dir, 'checkpoints')}'")
+    return found[-1][1]
+
+
+def read_model_weights(path: str, state_dict: dict[str, torch.Tensor], no_dist: bool = True) -> None:
+    """Fill state_dict (our names -> tensors, plain or DTensor) in place from checkpoint path's model.
+
+    Reads only the "app.model.*" entries, whatever world size or layout saved them. no_dist:
+    read in this process alone (no process group); False: a collective read, every rank calls.
+    Raises CheckpointError listing missing or mismatched keys (check_compatible), or naming a
+    damaged shard file.
+    """
+    check_compatible(path, {k: v.shape for k, v in state_dict.items()})
+    with warnings.catch_warnings():  # DCP warns that it assumes one process, which is the point
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        try:
+            dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, no_dist=no_dist)
+        except (CheckpointException, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
+            # A truncated or overwritten shard file: the metadata was fine, the data is not.
+            raise CheckpointError(f"checkpoint '{path}' is damaged, its weights cannot be read "
+                                  f"({one_line(e)}); pick another with --checkpoint") from e
 
 
 class Checkpointer:

@@ -1,279 +1,170 @@
-"""Nested dataclass configs from a TOML file plus ``--section.field value`` overrides.
+"""The root config of a run: it composes each module's own section, and the checks across them.
 
-Each module owns its config dataclass and documents a field with a string literal right
-after it (as attribute docstrings); those strings are the ``--help`` text. Errors name the
-key and suggest the nearest valid one. Nothing here knows about training.
+    [model] model.ModelArgs      [data] data.DataConfig        [train] TrainConfig (below)
+    [optim] optim.OptimConfig    [parallel] parallelize.ParallelConfig
+    [checkpoint] checkpoint.CheckpointConfig
 
-The other command-line tools (generate.py, evaluate.py, hf.py) use ``ArgumentParser`` and
-``number`` below, so every bad flag ends the same way: one line ``error: ...`` and status 2.
+A field is checked where it is defined (each section's ``__post_init__``, ``Literal``
+choices); ``validate`` keeps only what needs several sections, files or the world size.
+The commands that read a finished run (evaluate, generate, export) get its config from
+``load_run``.
 """
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import difflib
-import inspect
-import json
 import os
-import sys
-import textwrap
-import tomllib
-import typing
-from typing import Any
+from typing import Literal
+
+import cli
+from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
+from data import DataConfig
+from distributed import resolve_device
+from errors import ConfigError, SetupError
+from model import PRESETS, ModelArgs
+from optim import OptimConfig
+from parallelize import ParallelConfig
+from sources import check_source
+from tokenizer import load_tokenizer
 
 
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the key and the fix."""
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Optimizer steps to train for (the LR schedule ends here)."""
+    global_batch_size: int = 64
+    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    micro_batch_size: int = 0
+    """Sequences per forward pass on one rank (0: global_batch_size / data-parallel size, no accumulation)."""
+    seed: int = 0
+    """Seed of the initial weights and of the data order."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Parameter dtype in forward/backward: 'bfloat16' (mixed precision, fp32 master weights and reductions) or 'float32'."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """'auto' (CUDA when present, else CPU), 'cuda' or 'cpu'."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """'none', 'full' (recompute every block in backward) or 'selective' (keep matmul outputs, recompute the rest)."""
+    compile: bool = False
+    """torch.compile each block."""
+    log_interval: int = 10
+    """Log train metrics every this many steps."""
+    val_interval: int = 200
+    """Validate every this many steps and at the end (0: never)."""
+    val_batches: int = 4
+    """Validation uses up to this many global batches of held-out sequences."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A non-finite gradient norm: 'stop' the run (the last checkpoint stays as it was) or 'skip' that step's update."""
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0:
+            raise ConfigError(f"train.steps must be > 0, got {self.steps}")
+        if not 0 <= self.seed < 2 ** 32:
+            raise ConfigError(f"train.seed must be in 0..2**32-1, got {self.seed}")
+        if self.log_interval <= 0:
+            raise ConfigError(f"train.log_interval must be > 0, got {self.log_interval}")
+        for name in ("val_interval", "val_batches", "micro_batch_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+    def micro_batch(self, dp: int) -> int:
+        """Sequences per forward pass with dp data-parallel ranks: micro_batch_size, or the whole per-rank share."""
+        return self.micro_batch_size or self.global_batch_size // max(dp, 1)
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line 'error: ...' on stderr and exits with status 2."""
+@dataclasses.dataclass
+class Config:
+    run_dir: str = "runs/default"
+    """Directory of this run: metrics.jsonl, config.toml, checkpoints/, data/."""
+    model: ModelArgs = dataclasses.field(default_factory=ModelArgs)
+    """Model shape; 'preset = NAME' selects one of model.PRESETS, then fields override it."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Text source, tokenizer and packing."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Loop, batch, precision and memory options."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """AdamW, LR schedule and clipping."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """Sharding options."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoint interval, retention, async saving, explicit resume path."""
+    init_from_hf: str = ""
+    """Hugging Face Llama folder whose weights replace the random init when the run has no checkpoint yet (continued pretraining); [model] must match its config.json, and data.tokenizer defaults to its tokenizer.json."""
 
-    def error(self, message: str):
-        print(f"error: {message}; see --help", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+    def __post_init__(self) -> None:
+        if not 0 < self.data.seq_len <= self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len ({self.data.seq_len}) must be in 1..model.max_seq_len "
+                              f"({self.model.max_seq_len}), the RoPE table length")
 
 
-def number(kind: type, ok, rule: str):
-    """An argparse type: kind(text) (int or float) that ok(value) accepts; else the flag's error says rule.
+def parse_config(argv: list[str] | None = None, description: str = "") -> Config:
+    """Config from --config FILE and --section.field overrides; ConfigError on bad input, SystemExit(0) on --help."""
+    return cli.parse_args(Config, argv, presets={"model": PRESETS}, description=description)
 
-    E.g. number(int, lambda v: v >= 1, "an int >= 1"). NaN never passes (every comparison is False).
+
+def check_vocab(tokenizer_vocab: int, model_vocab: int, where: str) -> None:
+    """Raise SetupError if a tokenizer of tokenizer_vocab ids (named where) does not fit model.vocab_size."""
+    if tokenizer_vocab > model_vocab:
+        raise SetupError(
+            f"tokenizer '{where}' has {tokenizer_vocab} tokens but model.vocab_size is {model_vocab}; "
+            f"raise model.vocab_size or use a smaller tokenizer (data.tokenizer_vocab_size)"
+        )
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """The checks across sections, files and the world size; needs no collective (run on every rank, first).
+
+    Raises SetupError (or DataError for a source) naming the fields and the fix: world size
+    not divisible by parallel.tp, a global batch that does not split over the data-parallel
+    ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
+    source, a tokenizer larger than the model's vocabulary, an unwritable run directory.
     """
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
+    t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
+    if world_size % tp:
+        raise SetupError(f"world size {world_size} is not divisible by parallel.tp ({tp}); launch a multiple of "
+                         f"{tp} processes or change parallel.tp")
+    dp = world_size // tp
+    micro = t.micro_batch(dp)
+    if t.global_batch_size <= 0 or t.global_batch_size % dp or micro <= 0 or t.global_batch_size % (dp * micro):
+        raise SetupError(
+            f"train.global_batch_size ({t.global_batch_size}) must be a positive multiple of data-parallel size "
+            f"({dp}) x train.micro_batch_size ({micro}); change one of them"
+        )
+    device = resolve_device(t.device)
+    if cfg.parallel.cpu_offload and device.type != "cuda":
+        raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")
+    check_source(d)
+    if d.tokenizer:
+        check_vocab(load_tokenizer(d.tokenizer).get_vocab_size(), cfg.model.vocab_size, d.tokenizer)
+    elif d.tokenizer_vocab_size > cfg.model.vocab_size:
+        raise SetupError(
+            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
+            f"({cfg.model.vocab_size}); lower the first or raise the second"
+        )
+    try:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        probe = os.path.join(cfg.run_dir, f".write_probe_{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        raise SetupError(f"--run_dir '{cfg.run_dir}' is not writable ({e.strerror}); choose another directory") from e
 
 
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a dataclass: {field name: the string literal after it}."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, nxt in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:
+    """(config, checkpoint path, tokenizer.json path) of a training run directory; no process group needed.
 
-
-def _suggest(name: str, choices) -> str:
-    near = difflib.get_close_matches(name, list(choices), n=1)
-    return f"; did you mean '{near[0]}'?" if near else f"; valid: {', '.join(sorted(choices))}"
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """repr(value), cut to limit characters so an error stays one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _convert(key: str, value: Any, typ) -> Any:
-    """Coerce a TOML or command-line value to the field's type; raise ConfigError if it can't."""
-    origin = typing.get_origin(typ)
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-    elif typ is int:
-        number = None
-        if isinstance(value, int) and not isinstance(value, bool):
-            number = value
-        elif isinstance(value, str):
-            try:
-                number = int(value.replace("_", ""))
-            except ValueError:
-                pass
-        if number is not None:
-            if not -2**63 <= number < 2**63:  # torch and numpy take 64-bit ints (seeds, step counts)
-                raise ConfigError(f"{key}: {_short(number)} is out of range; use a 64-bit int (|value| < 2**63)")
-            return number
-    elif typ is float:
-        try:
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-            if isinstance(value, str):
-                return float(value)
-        except (ValueError, OverflowError):  # OverflowError: an int beyond the float range
-            pass
-    elif typ is str:
-        if isinstance(value, str):
-            return value
-    elif origin is tuple:
-        items = value.split(",") if isinstance(value, str) else value
-        args = typing.get_args(typ)
-        if isinstance(items, (list, tuple)) and len(items) == len(args):
-            return tuple(_convert(key, v, t) for v, t in zip(items, args))
-    raise ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {_short(value)}")
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def build(root_cls, sections: dict[str, dict], presets: dict[str, dict[str, dict]] | None = None):
-    """Build root_cls from {section: {field: value}}; raises ConfigError on unknown keys or bad types.
-
-    A section may name a preset ('preset = "debug"') when presets[section] has one: its
-    values apply first, explicit keys override them.
+    checkpoint: a checkpoint directory, or "" for the newest complete one in run_dir/checkpoints.
+    Raises CheckpointError when the run has no config.toml, tokenizer or complete checkpoint,
+    ConfigError when its config.toml does not parse.
     """
-    presets = presets or {}
-    hints = _hints(root_cls)
-    kwargs = {}
-    top = {f.name: f for f in dataclasses.fields(root_cls)}
-    for name, value in sections.items():
-        if name not in top:
-            raise ConfigError(f"unknown config section or key '{name}'{_suggest(name, top)}")
-        if not dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _convert(name, value, hints[name])
-    for name, f in top.items():
-        cls = hints[name]
-        if not dataclasses.is_dataclass(cls):
-            continue
-        values = sections.get(name, {})
-        if not isinstance(values, dict):
-            raise ConfigError(f"'{name}' is a section: set its fields as --{name}.FIELD value or in [{name}]")
-        values = dict(values)
-        merged: dict[str, Any] = {}
-        preset = values.pop("preset", None)
-        if preset is not None and not isinstance(preset, str):
-            raise ConfigError(f"{name}.preset: expected a preset name (str), got {_short(preset)}"
-                              f"; valid: {', '.join(sorted(presets.get(name, {})))}")
-        if preset is not None:
-            table = presets.get(name, {})
-            if preset not in table:
-                raise ConfigError(f"{name}.preset: unknown preset '{preset}'{_suggest(preset, table)}")
-            merged.update(table[preset])
-        merged.update(values)
-        fields = _hints(cls)
-        for key in merged:
-            if key not in fields:
-                raise ConfigError(f"unknown config key '{name}.{key}'{_suggest(key, fields)}")
-        try:
-            kwargs[name] = cls(**{k: _convert(f"{name}.{k}", v, fields[k]) for k, v in merged.items()})
-        except ConfigError:
-            raise
-        except ValueError as e:  # a config's own validation
-            raise ConfigError(str(e)) from e
-    return root_cls(**kwargs)
+    cfg_path = os.path.join(run_dir, "config.toml")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"run directory '{run_dir}' has no config.toml; give the --run_dir of a training run")
+    cfg = parse_config(["--config", cfg_path])
+    if checkpoint:
+        read_metadata(checkpoint)
+    else:
+        checkpoint = newest_checkpoint(run_dir)
+    tokenizer = os.path.join(run_dir, "data", "tokenizer.json")
+    if not os.path.isfile(tokenizer):
+        raise CheckpointError(f"run directory '{run_dir}' has no data/tokenizer.json")
+    return cfg, checkpoint, tokenizer
 
-
-def parse_args(root_cls, argv: list[str] | None, presets=None, description: str = ""):
-    """Parse ``--config FILE.toml`` and ``--section.field value`` (or ``=value``) into root_cls.
-
-    ``--help`` prints every field with its type, default and doc, then exits 0.
-    Raises ConfigError for an unreadable file, an unknown key or a bad value.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(help_text(root_cls, description))
-        raise SystemExit(0)
-    sections: dict[str, Any] = {}
-    pairs = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.field value")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                raise ConfigError(f"--{key} needs a value: --{key} VALUE or --{key}=VALUE")
-            value = argv[i + 1]
-            i += 1
-        pairs.append((key, value))
-        i += 1
-    for key, value in pairs:
-        if key == "config":
-            try:
-                with open(value, "rb") as f:
-                    loaded = tomllib.load(f)
-            except OSError as e:
-                raise ConfigError(f"--config: cannot read '{value}': {e.strerror}; give an existing TOML file") from e
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"--config: '{value}' is not UTF-8 text (byte {e.start}); give a TOML file") from e
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"--config: '{value}' is not valid TOML: {e}; fix that line") from e
-            except ValueError as e:  # e.g. a NUL byte in the path
-                raise ConfigError(f"--config: cannot read {value!r}: {e}") from e
-            for sec, vals in loaded.items():
-                if isinstance(vals, dict) and isinstance(sections.get(sec), dict):
-                    sections[sec].update(vals)
-                else:
-                    sections[sec] = dict(vals) if isinstance(vals, dict) else vals
-    for key, value in pairs:
-        if key == "config":
-            continue
-        sec, dot, name = key.partition(".")
-        if dot:
-            sections.setdefault(sec, {})
-            if not isinstance(sections[sec], dict):
-                raise ConfigError(f"--{key}: '{sec}' is not a section")
-            sections[sec][name] = value
-        else:
-            sections[key] = value
-    return build(root_cls, sections, presets)
-
-
-def help_text(root_cls, description: str = "") -> str:
-    """Every field of root_cls as '--section.field TYPE (default X): doc'."""
-    lines = [description, "", "usage: --config FILE.toml [--section.field VALUE ...]", ""]
-    hints = _hints(root_cls)
-    top_docs = field_docs(root_cls)
-    for f in dataclasses.fields(root_cls):
-        cls = hints[f.name]
-        if not dataclasses.is_dataclass(cls):
-            lines.append(f"  --{f.name} {getattr(cls, '__name__', cls)} (default {f.default!r}): {top_docs.get(f.name, '')}")
-            continue
-        lines.append(f"[{f.name}] {top_docs.get(f.name, '')}")
-        docs = field_docs(cls)
-        for sub in dataclasses.fields(cls):
-            typ = _hints(cls)[sub.name]
-            lines.append(f"  --{f.name}.{sub.name} {getattr(typ, '__name__', str(typ))} "
-                         f"(default {sub.default!r}): {docs.get(sub.name, '')}")
-    return "\n".join(lines)
-
-
-def to_toml(cfg) -> str:
-    """The resolved config as TOML that parse_args reads back (--config)."""
-    out_top, out_sections = [], []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            out_sections.append(f"\n[{f.name}]")
-            for sub in dataclasses.fields(value):
-                out_sections.append(f"{sub.name} = {_toml_value(getattr(value, sub.name))}")
-        else:
-            out_top.append(f"{f.name} = {_toml_value(value)}")
-    return "\n".join(out_top + out_sections) + "\n"
-
-
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
-
-
-def write_resolved(cfg, path: str) -> None:
-    """Write to_toml(cfg) to path atomically."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(to_toml(cfg))
-    os.replace(tmp, path)

@@ -13,39 +13,38 @@ val_loss), "train" the rest, "all" both. Every window of the split is counted on
 Without --data.* overrides the run's prepared corpus is read as it is; with them (another
 source, e.g. --data.dataset notes.jsonl --split all) that source is tokenized with the run's
 tokenizer into DIR/eval_data/<hash>/. The model is built, sharded and loaded with the
-training code (train_fsdp's parallelize/materialize, its loss, checkpoint.check_compatible);
+training code (parallelize.build_model, loss.token_loss_sum, checkpoint.read_model_weights);
 only model weights are read, and the run directory's checkpoints are never touched.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import os
-import socket
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
 
-import config as config_lib
-import data as data_lib
-import hf
-import train_fsdp
-from checkpoint import CheckpointError
-from model import Transformer
+import distributed
+from checkpoint import read_model_weights
+from cli import ArgumentParser, number
+from config import load_run, parse_config
+from data import DataError, PackedCorpus
+from errors import SetupError, UserError
+from loss import scalar, token_loss_sum
+from parallelize import build_mesh, build_model
+from prepare import prepare
 
 # DataConfig fields that only cut or order the token stream; any other one changes the tokens.
 _READ_FIELDS = ("seq_len", "val_fraction", "seed")
 
 
-def split_windows(corpus: data_lib.PackedCorpus, split: str, max_sequences: int = 0) -> range:
+def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0) -> range:
     """Stream window indices of a split ('val', 'train' or 'all'), the first max_sequences of it (0: all).
 
     Raises SetupError for an unknown or empty split.
@@ -53,35 +52,29 @@ def split_windows(corpus: data_lib.PackedCorpus, split: str, max_sequences: int 
     n_train, n_val = corpus.n_train, corpus.n_val
     spans = {"train": (0, n_train), "val": (n_train, n_train + n_val), "all": (0, n_train + n_val)}
     if split not in spans:
-        raise train_fsdp.SetupError(f"--split must be 'val', 'train' or 'all', got '{split}'")
+        raise SetupError(f"--split must be 'val', 'train' or 'all', got '{split}'")
     start, end = spans[split]
     if max_sequences > 0:
         end = min(end, start + max_sequences)
     if end <= start:
-        raise train_fsdp.SetupError(f"split '{split}' is empty ({n_train} train / {n_val} val windows of "
-                                    f"{corpus.seq_len + 1} tokens); use --split all or raise --data.val_fraction")
+        raise SetupError(f"split '{split}' is empty ({n_train} train / {n_val} val windows of "
+                         f"{corpus.seq_len + 1} tokens); use --split all or raise --data.val_fraction")
     return range(start, end)
 
 
-def rank_batches(corpus: data_lib.PackedCorpus, windows: range, micro_batch_size: int, rank: int, world: int):
+def rank_batches(corpus: PackedCorpus, windows: range, micro_batch_size: int, rank: int, world: int):
     """This rank's contiguous share of windows as [(inputs, labels)], each (<= micro_batch_size, seq_len) int64,
     and the number of forward passes every rank must run (the largest share's batch count)."""
     lo, hi = len(windows) * rank // world, len(windows) * (rank + 1) // world
-    mine = windows[lo:hi]
-    batches = []
-    for i in range(0, len(mine), micro_batch_size):
-        w = torch.from_numpy(np.stack([data_lib.window(corpus.tokens, j, corpus.seq_len).astype(np.int64)
-                                       for j in mine[i:i + micro_batch_size]]))
-        batches.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
     largest = -(-len(windows) // world)
-    return batches, -(-largest // micro_batch_size)
+    return corpus.batches(windows[lo:hi], micro_batch_size), -(-largest // micro_batch_size)
 
 
 @torch.no_grad()
-def loss_and_count(model, batches, n_steps: int, device, loss_context=contextlib.nullcontext):
+def loss_and_count(model, batches, n_steps: int, device):
     """(sum of token losses, number of targets) over every rank's batches, as Python floats.
 
-    Uses training's loss (train_fsdp.token_loss_sum: fp32 cross-entropy). Runs n_steps
+    Uses training's loss (loss.token_loss_sum: fp32 cross-entropy). Runs n_steps
     forward passes on each rank: a rank out of batches repeats one and discards its loss,
     since FSDP gathers parameters collectively in every forward.
     """
@@ -90,9 +83,9 @@ def loss_and_count(model, batches, n_steps: int, device, loss_context=contextlib
     spare = (torch.zeros(1, 1, dtype=torch.long),) * 2  # for a rank with no window at all
     for step in range(n_steps):
         inputs, labels = batches[min(step, len(batches) - 1)] if batches else spare
-        loss = train_fsdp.token_loss_sum(model, inputs.to(device), labels.to(device), loss_context)
+        loss = token_loss_sum(model, inputs.to(device), labels.to(device))
         if step < len(batches):
-            total[0] += train_fsdp._scalar(loss).double()
+            total[0] += scalar(loss).double()
             total[1] += labels.numel()
     dist.all_reduce(total)
     return total[0].item(), total[1].item()
@@ -111,73 +104,51 @@ def prepared_data(cfg, run_cfg, run_dir: str, tokenizer: str) -> str:
     if _source(cfg.data) == _source(run_cfg.data):
         own = os.path.join(run_dir, "data")
         if not os.path.isfile(os.path.join(own, "tokens.bin")):
-            raise data_lib.DataError(f"'{own}' holds no prepared corpus (tokens.bin); pass --data.dataset")
+            raise DataError(f"'{own}' holds no prepared corpus (tokens.bin); pass --data.dataset")
         return own
     data_cfg = dataclasses.replace(cfg.data, tokenizer=tokenizer)
     digest = hashlib.sha1(json.dumps(_source(data_cfg), sort_keys=True).encode()).hexdigest()[:12]
     out = os.path.join(run_dir, "eval_data", digest)
-    data_lib.prepare(data_cfg, out)
+    prepare(data_cfg, out)
     return out
 
 
-def check_inputs(cfg, max_sequences: int, micro_batch_size: int) -> None:
-    """Checks before the process group exists; raise SetupError naming the flag or field and the fix."""
+def check_inputs(max_sequences: int, micro_batch_size: int) -> None:
+    """Checks of evaluate's own flags before the process group exists; raise SetupError naming the flag."""
     if max_sequences < 0:
-        raise train_fsdp.SetupError(f"--max_sequences must be >= 0 (0: the whole split), got {max_sequences}")
+        raise SetupError(f"--max_sequences must be >= 0 (0: the whole split), got {max_sequences}")
     if micro_batch_size < 0:
-        raise train_fsdp.SetupError(f"--micro_batch_size must be >= 0 (0: the run's), got {micro_batch_size}")
-    if not 0 < cfg.data.seq_len <= cfg.model.max_seq_len:
-        raise train_fsdp.SetupError(f"data.seq_len ({cfg.data.seq_len}) must be in 1..model.max_seq_len "
-                                    f"({cfg.model.max_seq_len})")
-    t = cfg.train
-    if t.micro_batch_size < 0:
-        raise train_fsdp.SetupError(f"train.micro_batch_size must be >= 0, got {t.micro_batch_size}")
-    if t.dtype not in ("bfloat16", "float32"):
-        raise train_fsdp.SetupError(f"train.dtype must be 'bfloat16' or 'float32', got '{t.dtype}'")
-    if t.device not in ("auto", "cuda", "cpu"):
-        raise train_fsdp.SetupError(f"train.device must be 'auto', 'cuda' or 'cpu', got '{t.device}'")
-    if t.device == "cuda" and not torch.cuda.is_available():
-        raise train_fsdp.SetupError("train.device is 'cuda' but no CUDA device is visible; use --train.device cpu")
+        raise SetupError(f"--micro_batch_size must be >= 0 (0: the run's), got {micro_batch_size}")
 
 
 def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_sequences: int = 0,
                  micro_batch_size: int = 0, overrides: list[str] = ()) -> dict:
     """Loss and perplexity of a run's checkpoint (collective: every torchrun rank calls it).
 
-    Returns {"loss", "ppl", "tokens", "sequences", "split", "checkpoint"}. Raises CheckpointError,
-    ConfigError, DataError or SetupError (one line each) for a bad run, checkpoint or data source.
+    Returns {"loss", "ppl", "tokens", "sequences", "split", "checkpoint"}. Raises a UserError
+    (one line) for a bad run, checkpoint or data source.
     """
-    run_cfg, path, tokenizer = hf.load_run(run_dir, checkpoint)
-    cfg = train_fsdp.parse_config(["--config", os.path.join(run_dir, "config.toml"), *overrides])
-    # Inference: no recompute or compile; the run's dtype (mixed precision) and device stay.
-    cfg.train = dataclasses.replace(cfg.train, activation_checkpointing="none", compile=False)
-    check_inputs(cfg, max_sequences, micro_batch_size)
-    if "RANK" not in os.environ:  # plain `python evaluate.py`: a free port, not a fixed one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    rank, world, device = train_fsdp.init_distributed(cfg)
+    run_cfg, path, tokenizer = load_run(run_dir, checkpoint)
+    cfg = parse_config(["--config", os.path.join(run_dir, "config.toml"), *overrides])
+    check_inputs(max_sequences, micro_batch_size)
+    rank, world, device = distributed.init_distributed(cfg.train.device)
     try:
-        data_dir = train_fsdp.on_rank0(lambda: prepared_data(cfg, run_cfg, run_dir, tokenizer), rank)
-        corpus = data_lib.PackedCorpus(data_dir, cfg.data)
+        data_dir = distributed.on_rank0(lambda: prepared_data(cfg, run_cfg, run_dir, tokenizer), rank)
+        corpus = PackedCorpus(data_dir, cfg.data)
         windows = split_windows(corpus, split, max_sequences)
-        micro = micro_batch_size or cfg.train.micro_batch_size or max(1, cfg.train.global_batch_size // world)
-
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-        with torch.device("meta"):
-            model = Transformer(cfg.model)
-        train_fsdp.parallelize(model, mesh, cfg, device)
-        train_fsdp.materialize(model, device, cfg)
+        micro = micro_batch_size or max(1, cfg.train.micro_batch(world))
+        # Inference: no recompute or compile; the run's dtype (mixed precision) stays.
+        model = build_model(cfg.model, build_mesh(device, world), device, cfg.train.seed, cfg.parallel,
+                            dtype=cfg.train.dtype)
         state = get_model_state_dict(model)
-        hf.read_model_weights(path, state, no_dist=False)
+        read_model_weights(path, state, no_dist=False)
         set_model_state_dict(model, state)
 
         batches, n_steps = rank_batches(corpus, windows, micro, rank, world)
         loss_sum, count = loss_and_count(model, batches, n_steps, device)
-        train_fsdp.finish_distributed()
+        distributed.finish_distributed()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        distributed.abandon_distributed()
     loss = loss_sum / count
     return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(count),
             "sequences": len(windows), "split": split, "checkpoint": path}
@@ -185,18 +156,18 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: prints the result as one JSON line on rank 0; bad input exits with status 2."""
-    p = config_lib.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run_dir", required=True, help="training run directory")
     p.add_argument("--checkpoint", default="", help="checkpoint directory (default: the run's newest complete one)")
     p.add_argument("--split", default="val", choices=("val", "train", "all"),
                    help="'val' (the held-out tail), 'train' or 'all' windows")
-    count = config_lib.number(int, lambda v: v >= 0, "an int >= 0")
+    count = number(int, lambda v: v >= 0, "an int >= 0")
     p.add_argument("--max_sequences", type=count, default=0, help="only the split's first N windows (0: all)")
     p.add_argument("--micro_batch_size", type=count, default=0, help="windows per forward pass (0: the run's)")
     a, overrides = p.parse_known_args(argv)
     try:
         result = evaluate_run(a.run_dir, a.checkpoint, a.split, a.max_sequences, a.micro_batch_size, overrides)
-    except (config_lib.ConfigError, train_fsdp.SetupError, data_lib.DataError, CheckpointError, hf.HFError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     if int(os.environ.get("RANK", 0)) == 0:

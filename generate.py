@@ -19,7 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import hf
+from checkpoint import read_model_weights
+from cli import ArgumentParser, number
+from config import load_run
+from errors import UserError
 from model import Attention, Transformer, apply_rope
+from tokenizer import EOT, load_tokenizer
 
 
 class KVCache:
@@ -149,6 +155,19 @@ def generate(model: Transformer, prompt_ids, max_new_tokens: int, temperature: f
     return out
 
 
+def load_model(run_dir: str, checkpoint: str = "") -> tuple[Transformer, str]:
+    """The run's model in fp32 on CPU with the checkpoint's weights (newest unless given), and its tokenizer.json.
+
+    Raises CheckpointError or ConfigError for a run directory or checkpoint that cannot be read.
+    """
+    cfg, path, tokenizer = load_run(run_dir, checkpoint)
+    model = Transformer(cfg.model)
+    sd = model.state_dict()
+    read_model_weights(path, sd)
+    model.load_state_dict(sd)
+    return model.eval(), tokenizer
+
+
 def _cast_parameters(model: Transformer, dtype: torch.dtype) -> None:
     # Parameters only: Module.to(dtype) would also round the fp32 RoPE tables.
     for p in model.parameters():
@@ -178,12 +197,6 @@ def device_arg(text: str) -> torch.device:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line; bad input exits with status 2 and a one-line message."""
-    from tokenizers import Tokenizer
-
-    import hf
-    from checkpoint import CheckpointError
-    from config import ArgumentParser, number
-
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run_dir", help="training run directory (its newest complete checkpoint unless --checkpoint)")
@@ -211,23 +224,18 @@ def main(argv: list[str] | None = None) -> int:
             model, tok_path = Transformer(args), hf.tokenizer_path(a.hf)
             hf.load_hf_into(model, a.hf)
         else:
-            model, tok_path = hf.load_model(a.run_dir, a.checkpoint)
+            model, tok_path = load_model(a.run_dir, a.checkpoint)
         model.eval().to(a.device)
         _cast_parameters(model, getattr(torch, a.dtype))
-        try:
-            tok = Tokenizer.from_file(tok_path)
-        except Exception as e:  # tokenizers raises a bare Exception for a bad file
-            raise hf.HFError(f"cannot read tokenizer '{tok_path}': {hf.one_line(e)}") from e
-        eot = tok.token_to_id("[EOT]")
-        if eot is None:
-            raise hf.HFError(f"tokenizer '{tok_path}' has no [EOT] token to start a document with")
+        tok = load_tokenizer(tok_path)
+        eot = tok.token_to_id(EOT)
         prompt = [eot] + tok.encode(a.prompt, add_special_tokens=False).ids
         for i in range(a.num_samples):
             new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed + i, (eot,))
             print(f"--- sample {i} (seed {a.seed + i})")
             # Decode prompt and continuation together: a character may span both (byte-level BPE).
             print(tok.decode(prompt + new, skip_special_tokens=True), flush=True)
-    except (hf.HFError, CheckpointError, ValueError) as e:
+    except (UserError, ValueError) as e:  # ValueError: a prompt longer than the model takes
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

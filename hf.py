@@ -8,14 +8,14 @@ and writes a folder that ``transformers`` loads offline: config.json, model.safe
 tokenizer_config.json and special_tokens_map.json. Import (``load_hf_into``) fills a model,
 whole or FSDP/TP-sharded, from such a folder or any Llama checkpoint in safetensors.
 
-The math needs no conversion, only names (PITFALLS: export that silently changes the math):
+The math needs no conversion, only names (an export must never silently change the math):
 - RoPE: model.py already uses Hugging Face's "rotate half" layout, so q/k rows are copied
   as they are (Meta's original checkpoints need a permutation; these do not).
 - RMSNorm: both normalise in fp32, cast back, then multiply by the weight; eps is copied.
 - Embeddings are untied (tie_word_embeddings false); no biases anywhere.
 - Special tokens: the training stream puts [EOT] after every document and never uses
   [BOT], so [EOT] is what precedes a document. As in GPT-2, it is both bos and eos;
-  [PAD] is pad. No token is added automatically when encoding (same ids as data.py).
+  [PAD] is pad. No token is added automatically when encoding (same ids as prepare.py).
 """
 from __future__ import annotations
 
@@ -23,20 +23,21 @@ import argparse
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import sys
 import tempfile
-import warnings
 from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from checkpoint import CheckpointError, check_compatible, complete_checkpoints, read_metadata
-from config import ArgumentParser, ConfigError
+from checkpoint import read_model_weights
+from cli import ArgumentParser
+from config import load_run
+from errors import UserError, one_line
 from model import ModelArgs, Transformer
+from tokenizer import EOT, load_tokenizer
 
 # ---------------------------------------------------------------- the name mapping
 
@@ -59,20 +60,8 @@ _TOP_BACK = {v: k for k, v in _TOP.items()}
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
 
-class HFError(ValueError):
+class HFError(UserError):
     """A folder that is not a usable Hugging Face Llama, or bad export input; one-line message."""
-
-
-def one_line(e: BaseException, limit: int = 200) -> str:
-    """An exception as one short line: 'Type: message', whitespace collapsed; a DCP CheckpointException
-    (whose text is a traceback) as its first rank's exception."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, (exc, _) = next(iter(failures.items()))
-        return f"rank {rank}: {one_line(exc, limit)}"
-    message = " ".join(str(e).split())
-    text = f"{type(e).__name__}: {message}" if message else type(e).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def to_hf_name(name: str) -> str:
@@ -148,64 +137,6 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
         raise HFError(f"'{where}': {e}") from e
 
 
-# ---------------------------------------------------------------- reading this project's runs
-
-def load_run(run_dir: str, checkpoint: str = ""):
-    """(config, checkpoint path, tokenizer.json path) of a run directory; no process group needed.
-
-    checkpoint: a checkpoint directory, or "" for the newest complete one in run_dir/checkpoints.
-    Raises CheckpointError when the run has no config.toml, tokenizer or complete checkpoint.
-    """
-    import train_fsdp  # deferred: train_fsdp imports this module to wire init_from_hf
-
-    cfg_path = os.path.join(run_dir, "config.toml")
-    if not os.path.isfile(cfg_path):
-        raise CheckpointError(f"run directory '{run_dir}' has no config.toml; give the --run_dir of a training run")
-    cfg = train_fsdp.parse_config(["--config", cfg_path])
-    if checkpoint:
-        read_metadata(checkpoint)
-    else:
-        found = complete_checkpoints(os.path.join(run_dir, "checkpoints"))
-        if not found:
-            raise CheckpointError(f"no complete checkpoint in '{os.path.join(run_dir, 'checkpoints')}'")
-        checkpoint = found[-1][1]
-    tokenizer = os.path.join(run_dir, "data", "tokenizer.json")
-    if not os.path.isfile(tokenizer):
-        raise CheckpointError(f"run directory '{run_dir}' has no data/tokenizer.json")
-    return cfg, checkpoint, tokenizer
-
-
-def read_model_weights(path: str, state_dict: dict[str, Tensor], no_dist: bool = True) -> None:
-    """Fill state_dict (our names -> tensors, plain or DTensor) in place from checkpoint path's model.
-
-    Reads only the "app.model.*" entries, whatever world size or layout saved them. no_dist:
-    read in this process alone (no process group); False: a collective read, every rank calls.
-    Raises CheckpointError listing missing or mismatched keys (checkpoint.check_compatible).
-    """
-    check_compatible(path, {k: v.shape for k, v in state_dict.items()})
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with warnings.catch_warnings():  # DCP warns that it assumes one process, which is the point
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        try:
-            dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, no_dist=no_dist)
-        except (CheckpointException, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
-            # A truncated or overwritten shard file: the metadata was fine, the data is not.
-            raise CheckpointError(f"checkpoint '{path}' is damaged, its weights cannot be read "
-                                  f"({one_line(e)}); pick another with --checkpoint") from e
-
-
-def load_model(run_dir: str, checkpoint: str = "") -> tuple[Transformer, str]:
-    """The run's model in fp32 on CPU with the checkpoint's weights, and its tokenizer.json path."""
-    cfg, path, tokenizer = load_run(run_dir, checkpoint)
-    model = Transformer(cfg.model)
-    sd = model.state_dict()
-    read_model_weights(path, sd)
-    model.load_state_dict(sd)
-    return model.eval(), tokenizer
-
-
 # ---------------------------------------------------------------- export
 
 def parse_size(text: str) -> int:
@@ -244,7 +175,6 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
     or the tokenizer lacks [EOT] or does not fit args.vocab_size.
     """
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer
 
     check_out(out_dir)
     with torch.device("meta"):  # shapes only, no memory
@@ -254,13 +184,8 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
         bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
         raise HFError("weights do not match the model config: "
                       + "; ".join(f"{k}: {got.get(k)} vs config {want.get(k)}" for k in bad[:6]))
-    try:
-        tok = Tokenizer.from_file(tokenizer_path)
-    except Exception as e:  # tokenizers raises a bare Exception for a missing or bad file
-        raise HFError(f"cannot read tokenizer '{tokenizer_path}': {e}") from e
-    eot, pad = tok.token_to_id("[EOT]"), tok.token_to_id("[PAD]")
-    if eot is None:
-        raise HFError(f"tokenizer '{tokenizer_path}' has no [EOT] token")
+    tok = load_tokenizer(tokenizer_path)
+    eot, pad = tok.token_to_id(EOT), tok.token_to_id("[PAD]")
     if tok.get_vocab_size() > args.vocab_size:
         raise HFError(f"tokenizer '{tokenizer_path}' has {tok.get_vocab_size()} tokens > vocab_size {args.vocab_size}")
 
@@ -287,7 +212,7 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
                                                               "weight_map": weight_map})
         _write_json(tmp, "config.json", to_hf_config(args, eot, eot, pad, dtype))
         _write_json(tmp, "generation_config.json", {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": pad})
-        # Byte-identical tokenizer: AutoTokenizer gives the ids data.py trained on.
+        # Byte-identical tokenizer: AutoTokenizer gives the ids prepare.py packed.
         shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.json"))
         special = {"bos_token": "[EOT]", "eos_token": "[EOT]"}
         if pad is not None:
@@ -295,7 +220,7 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
         _write_json(tmp, "special_tokens_map.json", special)
         _write_json(tmp, "tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": args.max_seq_len,
-            # No automatic specials and no space clean-up: decode(encode(s)) == s, as in data.py.
+            # No automatic specials and no space clean-up: decode(encode(s)) == s, as in prepare.py.
             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False})
         _publish_permissions(tmp)
         if os.path.isdir(out_dir):
@@ -430,16 +355,12 @@ def iter_hf_tensors(folder: str) -> Iterator[tuple[str, Tensor]]:
                     yield "output.weight", f.get_tensor(name)
 
 
-def _copy_full(param: Tensor, full: Tensor) -> None:
-    param.copy_(full)
-
-
 @torch.no_grad()
-def load_hf_into(model: Transformer, folder: str, copy_: Callable[[Tensor, Tensor], None] = _copy_full) -> None:
+def load_hf_into(model: Transformer, folder: str, copy_: Callable[[Tensor, Tensor], None] = Tensor.copy_) -> None:
     """Overwrite every parameter of model with the weights of the HF Llama folder (continued pretraining).
 
     model may be whole or sharded (FSDP2/TP DTensors): copy_(param, full) writes a full
-    tensor into a parameter, e.g. train_fsdp.copy_sharded, which keeps only the local shard
+    tensor into a parameter, e.g. parallelize.copy_sharded, which keeps only the local shard
     without communication. Weights are cast to each parameter's dtype. Raises HFError if the
     config differs from model.args (see check_args), or a tensor is unknown, has another
     shape (naming the key) or is missing.
@@ -483,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         path = export_checkpoint(a.run_dir, a.out, a.checkpoint, getattr(torch, a.dtype), parse_size(a.max_shard_size))
-    except (HFError, CheckpointError, ConfigError) as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"exported {path} -> {a.out}")

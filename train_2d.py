@@ -5,27 +5,28 @@
 The mesh is ("dp", "tp") of shape (N / T, T); consecutive ranks form a TP group, so with
 torchrun's rank order a TP group stays inside one node. Each block is split by the plan
 below (Megatron-style column/row-parallel linears, sequence-parallel norms and residual
-stream), then train_fsdp.py shards the result with ``fully_shard`` on the "dp" sub-mesh and
-runs its own loop; checkpoints hold the same keys as train_fsdp.py's and load into either.
+stream), then parallelize.py shards the result with ``fully_shard`` on the "dp" sub-mesh,
+and trainer.py runs the same loop as train_fsdp.py (with ``loss_parallel`` on the
+vocabulary-sharded logits); checkpoints hold the same keys as train_fsdp.py's and load
+into either.
+
+Parameters become DTensors on the "tp" mesh: column-parallel weights Shard(0), row-parallel
+ones Shard(1), the embedding Shard(0) (vocabulary rows), norm weights Replicate. The
+gradients of replicated norm weights are partial sums over the TP group (each rank saw a
+slice of the sequence); FSDP2 redistributes them to Replicate (an all-reduce over TP)
+before its reduce-scatter over "dp".
 """
 from __future__ import annotations
 
 import sys
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-import train_fsdp
-from model import Transformer
+import trainer
+from config import Config
+from errors import SetupError
 
 # Between blocks the residual stream is sharded on the sequence (Shard(1), a plain local
 # tensor of shape (batch, seq / tp, dim)); the norms run on that shard and their weights
@@ -53,31 +54,16 @@ PLAN = {
 }
 
 
-def tensor_parallel(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Apply PLAN to a (meta-device) model in place over the 1-D "tp" mesh.
+def check_tp_layout(cfg: Config, world_size: int) -> None:
+    """Checks of PLAN's layout that need no collective (run before anything is created).
 
-    Parameters become DTensors on tp_mesh: column-parallel weights Shard(0), row-parallel
-    ones Shard(1), the embedding Shard(0) (vocabulary rows), norm weights Replicate. The
-    gradients of replicated norm weights are partial sums over the TP group (each rank saw
-    a slice of the sequence); FSDP2 redistributes them to Replicate (an all-reduce over TP)
-    before its reduce-scatter over "dp". No values are copied: src_data_rank=None, weights
-    are filled afterwards by model.init_weights.
-    """
-    parallelize_module(model, tp_mesh, PLAN, src_data_rank=None)
-
-
-def validate_tp(cfg: train_fsdp.Config, world_size: int) -> None:
-    """Checks of the 2D layout that need no collective (run before the process group exists).
-
-    Raises train_fsdp.SetupError, naming the numbers and the fix, when a size the plan splits
-    evenly over the TP ranks is not divisible by parallel.tp (model.n_heads, model.n_kv_heads,
-    model.ffn_dim, data.seq_len), when world_size is not a multiple of parallel.tp, or, on
-    CUDA, when parallel.tp exceeds the GPUs of one node (a TP group communicates in every
-    layer and must not span nodes).
+    Raises SetupError, naming the numbers and the fix, when a size the plan splits evenly
+    over the TP ranks is not divisible by parallel.tp (model.n_heads, model.n_kv_heads,
+    model.ffn_dim, data.seq_len), or, on CUDA, when parallel.tp exceeds the GPUs of one node
+    (a TP group communicates in every layer and must not span nodes). world_size is checked
+    against parallel.tp by config.validate.
     """
     tp, m = cfg.parallel.tp, cfg.model
-    if tp < 1:
-        raise train_fsdp.SetupError(f"parallel.tp must be >= 1, got {tp}")
     # Left unchecked, each of these fails only later, inside a collective or a matmul on one rank.
     split = {
         "model.n_heads": (m.n_heads, "each TP rank must hold whole query heads"),
@@ -88,28 +74,22 @@ def validate_tp(cfg: train_fsdp.Config, world_size: int) -> None:
     for name, (size, why) in split.items():
         if size % tp:
             valid = [d for d in range(1, m.n_kv_heads + 1) if all(v % d == 0 for v, _ in split.values())]
-            raise train_fsdp.SetupError(
+            raise SetupError(
                 f"{name} ({size}) is not divisible by parallel.tp ({tp}): {why}; use parallel.tp in {valid} "
                 f"or change {name}"
             )
-    if world_size % tp:
-        raise train_fsdp.SetupError(
-            f"world size {world_size} is not divisible by parallel.tp ({tp}); launch a multiple of {tp} processes "
-            f"or change parallel.tp"
-        )
-    # Without any visible GPU, train_fsdp.validate reports the device instead.
-    on_cuda = train_fsdp.resolve_device(cfg, 0).type == "cuda" and torch.cuda.is_available()
+    # Without any visible GPU, config.validate reports the device instead.
+    on_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
     if on_cuda and tp > torch.cuda.device_count():
-        raise train_fsdp.SetupError(
+        raise SetupError(
             f"parallel.tp ({tp}) is larger than the {torch.cuda.device_count()} GPU(s) of this node; a TP group "
             f"must stay inside one node: use parallel.tp <= {torch.cuda.device_count()}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: train_fsdp.main with this plan, loss_parallel and validate_tp; exit status 2 on bad input."""
-    return train_fsdp.main(argv, tensor_parallel=tensor_parallel, loss_context=loss_parallel,
-                           description=__doc__, check=validate_tp)
+    """Train with PLAN inside each TP group and FSDP2 across; exit status 0, or 2 with one line on bad input."""
+    return trainer.main(argv, tp_plan=PLAN, check_layout=check_tp_layout, description=__doc__)
 
 
 if __name__ == "__main__":

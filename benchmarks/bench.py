@@ -15,12 +15,13 @@ Every variant (ours, --variant NAME=ARGS, --hf) is built in the same process, wa
 timed in turns (round-robin, one step each), so load from other jobs hits them alike. Each
 round also times a 2048^3 fp32 GEMM; the best round is the CPU's peak, the MFU denominator. The
 batches are synthetic random tokens: the data pipeline is timed on its own (--loader_seconds).
+A variant with '--src DIR' runs DIR's model.py (e.g. a copy from before a change), parallelized
+and stepped by this checkout's code, so the table compares the two models alone.
 Prints a table and writes every figure as JSON (--json).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -43,16 +44,21 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+import config as config_lib  # noqa: E402
 import data as data_lib  # noqa: E402
+import distributed  # noqa: E402
 import metrics  # noqa: E402
 import model as model_lib  # noqa: E402
-import train_fsdp  # noqa: E402
+import optim  # noqa: E402
+import parallelize  # noqa: E402
+import prepare  # noqa: E402
+import trainer  # noqa: E402
 
 MIB = 2 ** 20
 
 
 def parse_args(argv):
-    """(the benchmark's own flags, the rest: trainer config flags for train_fsdp.parse_config)."""
+    """(the benchmark's own flags, the rest: trainer config flags for config.parse_config)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (compilation happens here)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant")
@@ -60,7 +66,8 @@ def parse_args(argv):
     p.add_argument("--hf", action="store_true", help="also time transformers' LlamaForCausalLM (one process only)")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                    help="another setting of our step: config overrides ('--train.compile true') and/or "
-                        "'--src DIR' (model.py and train_fsdp.py from DIR, e.g. a copy from before a change)")
+                        "'--src DIR' (model.py from DIR, e.g. a copy from before a change, with this "
+                        "checkout's parallelization and step)")
     p.add_argument("--loader_seconds", type=float, default=1.0, help="time data.GlobalBatchLoader this long (0: skip)")
     p.add_argument("--profile", type=int, default=0, help="print the N ops with most self CPU time, per variant")
     p.add_argument("--layouts", default="", help="driver: comma list of RANKSxTHREADS, e.g. 1x2,2x1")
@@ -80,42 +87,44 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def load_source(src: str):
-    """(model module, train_fsdp module) from directory src, imported under private names.
-
-    train_fsdp's own imports resolve to this checkout's modules; the benchmark passes the model
-    class explicitly, so a variant runs src's model.py with src's train_fsdp.py functions.
-    """
-    mods = []
-    for name in ("model", "train_fsdp"):
-        spec = importlib.util.spec_from_file_location(f"bench_{abs(hash(src))}_{name}", os.path.join(src, f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up there
-        spec.loader.exec_module(mod)
-        mods.append(mod)
-    return tuple(mods)
+def load_model_source(src: str):
+    """model.py of directory src as a module, imported under a private name (so it never
+    replaces this checkout's `model`)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{abs(hash(src))}_model", os.path.join(src, "model.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
 
 
 class OursStep:
-    """train_fsdp's step (forward_backward + optimizer_step + LR schedule) on the FSDP2-sharded model."""
+    """trainer's step (forward_backward + optimizer_step + LR schedule) on the FSDP2-sharded model.
+
+    src: a directory whose model.py's Transformer is timed instead of this checkout's; it is
+    parallelized, initialised and stepped by this checkout's parallelize and trainer."""
 
     def __init__(self, name, cfg, mesh, device, src: str = ""):
-        self.name, self.cfg, self.device = name, cfg, device
-        mm, self.tf = load_source(src) if src else (model_lib, train_fsdp)
-        with torch.device("meta"):
-            self.model = mm.Transformer(mm.ModelArgs(**dataclasses.asdict(cfg.model)))
-        self.tf.parallelize(self.model, mesh, cfg, device)
-        self.tf.materialize(self.model, device, cfg)
-        self.optimizer, self.scheduler = self.tf.build_optimizer(self.model, cfg, device)
+        self.name, self.cfg, self.device, self.mesh = name, cfg, device, mesh
+        t = cfg.train
+        opts = dict(dtype=t.dtype, activation_checkpointing=t.activation_checkpointing, compile=t.compile)
+        if src:
+            mm = load_model_source(src)
+            with torch.device("meta"):
+                self.model = mm.Transformer(mm.ModelArgs(**dataclasses.asdict(cfg.model)))
+            parallelize.parallelize(self.model, mesh, cfg.parallel, **opts)
+            parallelize.materialize(self.model, device, t.seed, cfg.parallel.cpu_offload)
+        else:
+            self.model = parallelize.build_model(cfg.model, mesh, device, t.seed, cfg.parallel, **opts)
+        self.optimizer, self.scheduler = optim.build_optimizer(self.model, cfg.optim, t.steps,
+                                                               fused=not cfg.parallel.cpu_offload)
         self.dp = mesh["dp"].size()
-        self.n_targets = cfg.train.global_batch_size * cfg.data.seq_len
+        self.n_targets = t.global_batch_size * cfg.data.seq_len
 
     def forward_backward(self, micro_batches):
-        self.tf.forward_backward(self.model, micro_batches, self.n_targets, self.dp, self.device,
-                                 contextlib.nullcontext)
+        trainer.forward_backward(self.model, micro_batches, self.n_targets, self.dp, self.device, self.mesh)
 
     def update(self):
-        self.tf.optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
+        trainer.optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
         self.scheduler.step()
 
 
@@ -126,7 +135,7 @@ class HFStep(OursStep):
     def __init__(self, name, cfg, mesh, device):
         import transformers
 
-        self.name, self.cfg, self.device, self.tf = name, cfg, device, train_fsdp
+        self.name, self.cfg, self.device = name, cfg, device
         dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
         a = cfg.model
         config = transformers.LlamaConfig(
@@ -138,7 +147,8 @@ class HFStep(OursStep):
         self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                                    dtype=dtype).to(device)
         self.model.train()
-        self.optimizer, self.scheduler = train_fsdp.build_optimizer(self.model, cfg, device)
+        self.optimizer, self.scheduler = optim.build_optimizer(self.model, cfg.optim, cfg.train.steps,
+                                                               fused=not cfg.parallel.cpu_offload)
         self.n_targets = cfg.train.global_batch_size * cfg.data.seq_len
 
     def forward_backward(self, micro_batches):
@@ -150,13 +160,13 @@ class HFStep(OursStep):
 
 def synthetic_batches(cfg, dp: int, n: int, seed: int = 0):
     """n steps of this rank's micro-batches [(inputs, labels)], (micro, seq_len) int64 random tokens."""
-    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // dp
+    micro = cfg.train.micro_batch(dp)
     per_rank, seq = cfg.train.global_batch_size // dp, cfg.data.seq_len
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
     steps = []
     for _ in range(n):
         w = torch.randint(0, cfg.model.vocab_size, (per_rank, seq + 1), generator=gen)
-        steps.append([(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in w.split(micro)])
+        steps.append([data_lib.inputs_labels(mb) for mb in w.split(micro)])
     return steps
 
 
@@ -192,11 +202,11 @@ def memory_step(v, batch, profile_rows: int) -> dict:
 def loader_rate(cfg, dp_rank: int, dp: int, seconds: float) -> float:
     """Tokens/s per rank that data.GlobalBatchLoader.next_step delivers on cfg.data (prepared into
     run_dir/data_<hash of the data settings> on rank 0 if needed); counts input tokens."""
-    key = json.dumps({k: getattr(cfg.data, k) for k in data_lib._PREPARED_FROM}, sort_keys=True)
+    key = json.dumps({k: getattr(cfg.data, k) for k in prepare._PREPARED_FROM}, sort_keys=True)
     out = os.path.join(cfg.run_dir, f"data_{zlib.crc32(key.encode()):08x}")
-    train_fsdp.on_rank0(lambda: data_lib.prepare(cfg.data, out), dist.get_rank())
+    distributed.on_rank0(lambda: prepare.prepare(cfg.data, out), dist.get_rank())
     corpus = data_lib.PackedCorpus(out, cfg.data)
-    micro = cfg.train.micro_batch_size or cfg.train.global_batch_size // dp
+    micro = cfg.train.micro_batch(dp)
     loader = data_lib.GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, dp_rank, dp, cfg.train.seed)
     tokens, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -226,11 +236,12 @@ def run_worker(args, rest) -> dict:
     """Build every variant on every rank, time them in turns; returns the results (all ranks)."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = train_fsdp.parse_config(rest)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    train_fsdp.validate(cfg, world, 1)
-    rank, world, device = train_fsdp.init_distributed(cfg)
-    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    cfg = config_lib.parse_config(rest)
+    if cfg.parallel.tp != 1:
+        raise SystemExit(f"[bench] parallel.tp is {cfg.parallel.tp}: the benchmark times FSDP only (tp 1)")
+    config_lib.validate(cfg, distributed.world_size())
+    rank, world, device = distributed.init_distributed(cfg.train.device)
+    mesh = parallelize.build_mesh(device, world)
     variants = [OursStep("ours", cfg, mesh, device)]
     for spec in args.variant:
         name, _, extra = spec.partition("=")
@@ -240,7 +251,7 @@ def run_worker(args, rest) -> dict:
             i = extra.index("--src")
             src = os.path.abspath(extra.pop(i + 1))
             extra.pop(i)
-        variants.append(OursStep(name, train_fsdp.parse_config(rest + extra), mesh, device, src))
+        variants.append(OursStep(name, config_lib.parse_config(rest + extra), mesh, device, src))
     if args.hf:
         if world == 1:
             variants.append(HFStep("transformers", cfg, mesh, device))
@@ -402,8 +413,7 @@ def main(argv=None) -> int:
         res = run_worker(args, rest)
         if dist.get_rank() == 0:
             print_table(res)
-        dist.barrier()
-        dist.destroy_process_group()
+        distributed.finish_distributed()
     if args.json and int(os.environ.get("RANK", 0)) == 0:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

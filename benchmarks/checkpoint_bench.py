@@ -1,6 +1,6 @@
 """Checkpoint save/load time and size, and how long the loop waits with async saves.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_bench.py --config configs/debug.toml \
+    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_bench.py --config configs/debug.toml \\
         --run_dir /tmp/ckpt_bench [--model.preset llama_125m --data.seq_len 128] [--repeats 3]
 
 Builds the run's model and optimizer (synthetic step, no data pipeline), then per repeat:
@@ -22,9 +22,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train_fsdp  # noqa: E402
+import config  # noqa: E402
+import distributed  # noqa: E402
+import optim  # noqa: E402
+import parallelize  # noqa: E402
+import trainer  # noqa: E402
 from checkpoint import AppState, TrainState  # noqa: E402
-from data import DataState  # noqa: E402
+from data import DataState, inputs_labels  # noqa: E402
+from model import num_params  # noqa: E402
 
 
 def _dir_bytes(path: str) -> int:
@@ -42,20 +47,18 @@ def main() -> None:
         i = argv.index("--repeats")
         repeats = int(argv[i + 1])
         del argv[i:i + 2]
-    cfg = train_fsdp.parse_config(argv)
-    rank, world, device = train_fsdp.init_distributed(cfg)
-    mesh = train_fsdp.init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    with torch.device("meta"):
-        model = train_fsdp.Transformer(cfg.model)
-    train_fsdp.parallelize(model, mesh, cfg, device)
-    train_fsdp.materialize(model, device, cfg)
-    optimizer, scheduler = train_fsdp.build_optimizer(model, cfg, device)
+    cfg = config.parse_config(argv, description=__doc__)
+    rank, world, device = distributed.init_distributed(cfg.train.device)
+    mesh = parallelize.build_mesh(device, world)
+    t = cfg.train
+    model = parallelize.build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=t.dtype,
+                                    activation_checkpointing=t.activation_checkpointing, compile=t.compile)
+    optimizer, scheduler = optim.build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload)
     # One synthetic step so the optimizer state exists and is written.
     tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.data.seq_len + 1), device=device)
     n = tokens.numel() - 1
-    train_fsdp.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], n * world, world, device,
-                                train_fsdp.contextlib.nullcontext)
-    train_fsdp.optimizer_step(model, optimizer, 1.0, device)
+    trainer.forward_backward(model, [inputs_labels(tokens)], n * world, world, device, mesh)
+    trainer.optimizer_step(model, optimizer, 1.0, device)
     app = AppState(model, optimizer, scheduler, TrainState(step=1), DataState(), rank)
     root = os.path.join(cfg.run_dir, "bench_ckpt")
     gloo = dist.new_group(backend="gloo")
@@ -83,7 +86,7 @@ def main() -> None:
         dist.barrier()
         async_total.append(time.perf_counter() - t0)
     if rank == 0:
-        n_params = train_fsdp.num_params(cfg.model)
+        n_params = num_params(cfg.model)
         print(f"model {n_params / 1e6:.1f}M params, world {world}, checkpoint {size / 2 ** 20:.1f} MiB on disk")
         print(f"sync save   {_fmt(saves)}")
         print(f"load        {_fmt(loads)}")
@@ -92,7 +95,7 @@ def main() -> None:
         print(f"async: the loop waits {frac:.0%} of a synchronous save")
         shutil.rmtree(root, ignore_errors=True)
     stager.close()
-    train_fsdp.finish_distributed()
+    distributed.finish_distributed()
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N tests/grad_worker.py --out FILE [--tp T] --config configs/debug.toml \
         --run_dir DIR --train.steps S [--section.field VALUE ...]
 
-Builds the run as the trainers do (train_fsdp.build; with --tp T > 1 on the ("dp", "tp") mesh
+Builds the run as the trainers do (trainer.build; with --tp T > 1 on the ("dp", "tp") mesh
 with train_2d's plan and loss_parallel), then per step: forward_backward, every gradient
 gathered as a full tensor (before clipping), optimizer_step, LR schedule. Rank 0 saves with
 torch.save a dict:
@@ -17,7 +17,6 @@ torch.save a dict:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -26,8 +25,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import distributed  # noqa: E402
 import train_2d  # noqa: E402
-import train_fsdp  # noqa: E402
+import trainer  # noqa: E402
+from config import parse_config  # noqa: E402
 
 
 def replica_spread(model, tp_mesh) -> dict[str, float]:
@@ -50,33 +51,29 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="file that rank 0 writes")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1: FSDP only)")
     args, overrides = parser.parse_known_args()
-    cfg = train_fsdp.parse_config([*overrides, "--parallel.tp", str(args.tp)])
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if args.tp > 1:
-        train_2d.validate_tp(cfg, world)
-    train_fsdp.validate(cfg, world, args.tp)
-    rank, world, device = train_fsdp.init_distributed(cfg)
-    plan = train_2d.tensor_parallel if args.tp > 1 else None
-    loss_context = train_2d.loss_parallel if args.tp > 1 else contextlib.nullcontext
-    s = train_fsdp.build(cfg, rank, world, device, tensor_parallel=plan, resume=False)
+    cfg = parse_config([*overrides, "--parallel.tp", str(args.tp)])
+    plan = train_2d.PLAN if args.tp > 1 else None
+    trainer.check_run(cfg, distributed.world_size(), plan, train_2d.check_tp_layout)
+    rank, world, device = distributed.init_distributed(cfg.train.device)
+    s = trainer.build(cfg, rank, world, device, plan, resume=False)
     n_targets = cfg.train.global_batch_size * cfg.data.seq_len
     result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {},
               "init": {name: p.full_tensor().detach().cpu().clone() for name, p in s.model.named_parameters()}}
     for _ in range(cfg.train.steps):
-        loss_sum = train_fsdp.forward_backward(s.model, s.loader.next_step(), n_targets, s.dp, device, loss_context)
+        loss_sum = trainer.forward_backward(s.model, s.loader.next_step(), n_targets, s.dp, device, s.mesh)
         dist.all_reduce(loss_sum, group=s.mesh["dp"].get_group())
         result["losses"].append(loss_sum.item() / n_targets)
         # clone: on one rank full_tensor() may share storage with the gradient, which clipping scales in place
         result["grads"].append({name: p.grad.full_tensor().detach().float().cpu().clone()
                                 for name, p in s.model.named_parameters()})
-        norm = train_fsdp.optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, device)
+        norm = trainer.optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, device)
         result["grad_norms"].append(norm.item())
         s.scheduler.step()
     if args.tp > 1:
         result["replicated"] = replica_spread(s.model, s.mesh["tp"])
     if rank == 0:
         torch.save(result, args.out)
-    train_fsdp.finish_distributed()
+    distributed.finish_distributed()
 
 
 if __name__ == "__main__":

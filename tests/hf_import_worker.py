@@ -1,10 +1,10 @@
-"""Start a training session from a Hugging Face Llama folder, as train_fsdp's init_from_hf does.
+"""Start a training session from a Hugging Face Llama folder, as the trainer's init_from_hf does.
 
     torchrun --nproc_per_node=N tests/hf_import_worker.py --hf FOLDER --out FILE --config configs/debug.toml \
         --run_dir DIR [--section.field VALUE ...]
 
-Builds the sharded session (train_fsdp.build, no resume), loads the folder with
-hf.load_hf_into(model, folder, copy_=train_fsdp.copy_sharded), then rank 0 saves with
+Builds the sharded session (trainer.build, no resume), loads the folder with
+hf.load_hf_into(model, folder, copy_=parallelize.copy_sharded), then rank 0 saves with
 torch.save a dict:
 
     max_diff   float        largest |full parameter - folder tensor| over all weights
@@ -15,7 +15,6 @@ torch.save a dict:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 
@@ -24,8 +23,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import distributed  # noqa: E402
 import hf  # noqa: E402
-import train_fsdp  # noqa: E402
+import trainer  # noqa: E402
+from config import parse_config  # noqa: E402
+from loss import token_loss_sum  # noqa: E402
+from parallelize import copy_sharded  # noqa: E402
 
 
 def main() -> None:
@@ -33,10 +36,10 @@ def main() -> None:
     parser.add_argument("--hf", required=True, help="Hugging Face Llama folder")
     parser.add_argument("--out", required=True, help="file that rank 0 writes")
     args, overrides = parser.parse_known_args()
-    cfg = train_fsdp.parse_config(overrides)
-    rank, world, device = train_fsdp.init_distributed(cfg)
-    s = train_fsdp.build(cfg, rank, world, device, resume=False)
-    hf.load_hf_into(s.model, args.hf, copy_=train_fsdp.copy_sharded)
+    cfg = parse_config(overrides)
+    rank, world, device = distributed.init_distributed(cfg.train.device)
+    s = trainer.build(cfg, rank, world, device, resume=False)
+    hf.load_hf_into(s.model, args.hf, copy_=copy_sharded)
 
     params = dict(s.model.named_parameters())
     max_diff = 0.0
@@ -47,7 +50,7 @@ def main() -> None:
     loss_sum = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for inputs, labels in batches:
-            loss_sum += train_fsdp.token_loss_sum(s.model, inputs, labels, contextlib.nullcontext).double()
+            loss_sum += token_loss_sum(s.model, inputs, labels).double()
     dist.all_reduce(loss_sum)
     mine = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     every = [None] * world
@@ -56,7 +59,7 @@ def main() -> None:
     if rank == 0:
         torch.save({"max_diff": max_diff, "loss": loss_sum.item() / labels.numel(), "inputs": inputs,
                     "labels": labels}, args.out)
-    train_fsdp.finish_distributed()
+    distributed.finish_distributed()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+
+import prepare
+from config import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "debug.toml")
@@ -46,16 +51,10 @@ def losses(run_dir) -> dict[int, float]:
 def prepared_data_dir(dest) -> None:
     """Copy the debug corpus, tokenized once per test session, into run directory dest/data.
 
-    Saves each test the tokenizer training and tokenization (data.prepare reuses it).
+    Saves each test the tokenizer training and tokenization (prepare.prepare reuses it).
     """
-    import shutil
-    import tempfile
-
-    import data
-    import train_fsdp
-
     cache = os.path.join(tempfile.gettempdir(), f"llama_pretrain_test_data_{os.getpid()}")
     if not os.path.exists(os.path.join(cache, "meta.json")):
-        cfg = train_fsdp.parse_config(["--config", DEBUG])
-        data.prepare(cfg.data, cache)
+        cfg = parse_config(["--config", DEBUG])
+        prepare.prepare(cfg.data, cache)
     shutil.copytree(cache, os.path.join(str(dest), "data"), dirs_exist_ok=True)

@@ -2,15 +2,15 @@
 whole gradients, replicated norm weights, checkpoints shared with train_fsdp.py both ways, and
 layouts that cannot split failing before any collective."""
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+import distributed
 import train_2d
-import train_fsdp
+from config import parse_config
 from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir, torchrun
 from model import PRESETS
 
@@ -50,6 +50,7 @@ def rel(a: float, b: float) -> float:
     (2, 2, ("--train.micro_batch_size", "4")),  # and 4 accumulated micro-batches against one batch of 16
     (4, 2, ()),
 ], ids=["fsdp2", "dp1xtp2_accumulating", "dp2xtp2"])
+@pytest.mark.slow
 def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, overrides):
     ref, got = worker(1, 1), worker(nproc, tp, *overrides)
     # Initial weights do not depend on world size or layout: bit for bit.
@@ -67,6 +68,7 @@ def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, ov
             assert err <= GRAD_RTOL, f"step {step + 1} {name}: relative gradient error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_replicated_norm_weights_stay_identical_across_tp_ranks(worker):
     # Their gradients are compared with one process above: each TP rank sees a slice of the
     # sequence, so an unreduced gradient would be a partial sum.
@@ -77,6 +79,7 @@ def test_replicated_norm_weights_stay_identical_across_tp_ranks(worker):
     assert all(v == 0.0 for v in spread.values()), spread
 
 
+@pytest.mark.slow
 def test_checkpoints_continue_the_run_from_fsdp_to_2d_and_back(tmp_path, worker):
     # One step each: train_fsdp.py on 1 rank, train_2d.py on dp2 x tp2 resuming from it, then
     # train_fsdp.py on 1 rank resuming from the 2D checkpoint; DCP reshards at every change.
@@ -109,7 +112,7 @@ def test_bad_layout_fails_before_the_process_group(monkeypatch, capsys, tmp_path
     def reached(*args, **kwargs):
         raise AssertionError("the process group was being created: the layout was not checked first")
 
-    monkeypatch.setattr(train_fsdp, "init_distributed", reached)
+    monkeypatch.setattr(distributed, "init_distributed", reached)
     monkeypatch.setattr(torch.distributed, "init_process_group", reached)
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     rd = tmp_path / "run"
@@ -119,7 +122,7 @@ def test_bad_layout_fails_before_the_process_group(monkeypatch, capsys, tmp_path
     assert len(err.strip().splitlines()) == 1
     if "world size" not in message:
         assert "use parallel.tp in [1, 2]" in err or "use parallel.tp in [1]" in err
-    assert not rd.exists()  # checked before train_fsdp.validate, which creates the run directory
+    assert not rd.exists()  # checked before config.validate, which creates the run directory
 
 
 def test_tp_larger_than_the_node_fails(monkeypatch, capsys, tmp_path):
@@ -134,9 +137,7 @@ def test_tp_larger_than_the_node_fails(monkeypatch, capsys, tmp_path):
 
 def test_cli_exits_2_without_waiting_for_peers(tmp_path):
     # Rank 0 of 4 with no peers: creating the process group would block until the timeout.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(distributed.free_port())
     env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": port}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_2d.py"), "--config", DEBUG,
@@ -147,9 +148,10 @@ def test_cli_exits_2_without_waiting_for_peers(tmp_path):
 
 
 def test_gpu_node_preset_fits_its_layout():
-    cfg = train_fsdp.parse_config(["--config", os.path.join(ROOT, "configs", "llama3_8b_2d.toml")])
+    cfg = parse_config(["--config", os.path.join(ROOT, "configs", "llama3_8b_2d.toml")])
     world = 8  # one node of 8 GPUs, as its header says
-    train_2d.validate_tp(cfg, world)
+    train_2d.check_tp_layout(cfg, world)  # the plan's checks; the device check needs the GPUs
+    assert world % cfg.parallel.tp == 0
     dp = world // cfg.parallel.tp
     assert cfg.parallel.tp > 1 and cfg.train.dtype == "bfloat16"
     assert cfg.train.global_batch_size % (dp * cfg.train.micro_batch_size) == 0

@@ -3,14 +3,16 @@ exits with status 2, and leaves an existing run directory exactly as it was."""
 import json
 import os
 import shutil
-import socket
 
 import pytest
 
 import checkpoint as ckpt_lib
 import data
+import distributed
+import sources
+import tokenizer
 import train_fsdp
-from launch import DEBUG, debug_run, losses, metrics, prepared_data_dir
+from launch import DEBUG, debug_run, metrics, prepared_data_dir
 
 
 def _snapshot(rd):
@@ -28,16 +30,10 @@ def existing_run(tmp_path_factory):
     return rd
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _main_in_process(monkeypatch, capsys, *argv, world_size=1):
     """train_fsdp.main in this process: for errors raised before the process group exists."""
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setenv("MASTER_PORT", _free_port())  # should validation pass, no port clash
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))  # should validation pass, no port clash
     rc = train_fsdp.main(["--config", DEBUG, *argv])
     return rc, capsys.readouterr().err
 
@@ -45,7 +41,7 @@ def _main_in_process(monkeypatch, capsys, *argv, world_size=1):
 @pytest.fixture(scope="module")
 def big_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    data.train_tokenizer([f"w{i} " * 3 for i in range(3000)], 600, 10 ** 6).save(str(path))
+    tokenizer.train_tokenizer([f"w{i} " * 3 for i in range(3000)], 600, 10 ** 6).save(str(path))
     return str(path)
 
 
@@ -71,6 +67,7 @@ PRE_GROUP = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, msg", PRE_GROUP)
 def test_bad_config_fails_before_any_collective(existing_run, monkeypatch, capsys, argv, msg):
     before = _snapshot(existing_run)
@@ -80,12 +77,14 @@ def test_bad_config_fails_before_any_collective(existing_run, monkeypatch, capsy
     assert _snapshot(existing_run) == before
 
 
+@pytest.mark.slow
 def test_global_batch_not_divisible_by_world_size(existing_run, monkeypatch, capsys):
     rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run),
                                "--train.global_batch_size", "15", world_size=2)
     assert rc == 2 and "train.global_batch_size (15) must be a positive multiple of data-parallel size (2)" in err
 
 
+@pytest.mark.slow
 def test_tokenizer_larger_than_the_model(existing_run, monkeypatch, capsys, big_tokenizer):
     rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), "--data.tokenizer", big_tokenizer,
                                "--model.vocab_size", "512")
@@ -116,6 +115,7 @@ def _bad_data_run(rd, *argv):
     ({"a.txt": b"caf\xe9 latin-1"}, [], "is not valid UTF-8 (byte 3"),
     ({"a.csv": "text\nhello"}, [], "use one of .txt, .jsonl, .parquet"),
 ])
+@pytest.mark.slow
 def test_bad_data_fails_with_the_file_and_leaves_no_data_behind(tmp_path, files, extra, msg):
     src = tmp_path / "src"
     src.mkdir()
@@ -132,9 +132,10 @@ def test_undecodable_bytes_can_be_replaced_on_request(tmp_path):
     src.mkdir()
     (src / "a.txt").write_bytes(b"caf\xe9 " * 2000)
     cfg = data.DataConfig(dataset=str(src), decode_errors="replace")
-    assert next(data.iter_documents(cfg)).startswith("caf\ufffd ")
+    assert next(sources.iter_documents(cfg)).startswith("caf\ufffd ")
 
 
+@pytest.mark.slow
 def test_changed_data_settings_on_an_existing_run_are_refused(existing_run):
     before = _snapshot(existing_run)
     rc, err = _bad_data_run(existing_run, "--data.max_documents", "10", "--train.steps", "3")
@@ -142,6 +143,7 @@ def test_changed_data_settings_on_an_existing_run_are_refused(existing_run):
     assert _snapshot(existing_run) == before
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_stops_without_touching_the_last_checkpoint(tmp_path):
     rd = tmp_path / "nan"
     prepared_data_dir(rd)
@@ -152,6 +154,7 @@ def test_nonfinite_gradient_stops_without_touching_the_last_checkpoint(tmp_path)
     assert sorted(os.listdir(rd / "checkpoints")) == ["step_00000001"]
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_can_be_skipped(tmp_path):
     rd = tmp_path / "skip"
     prepared_data_dir(rd)
@@ -161,6 +164,7 @@ def test_nonfinite_gradient_can_be_skipped(tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[-1].get("skipped") is True
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_a_missing_shard_file_is_named(tmp_path):
     rd = tmp_path / "run"
     prepared_data_dir(rd)
@@ -174,6 +178,7 @@ def test_a_checkpoint_with_a_missing_shard_file_is_named(tmp_path):
     assert _snapshot(rd) == before
 
 
+@pytest.mark.slow
 def test_changed_model_settings_on_resume_are_refused(existing_run):
     before = _snapshot(existing_run)
     rc, err = _bad_data_run(existing_run, "--model.rope_theta", "500000", "--train.steps", "3")
@@ -181,6 +186,7 @@ def test_changed_model_settings_on_resume_are_refused(existing_run):
     assert _snapshot(existing_run) == before
 
 
+@pytest.mark.slow
 def test_a_run_directory_in_use_stops_a_second_run(existing_run, monkeypatch, capsys):
     before = _snapshot(existing_run)
     holder = ckpt_lib.lock_run_dir(str(existing_run))  # another run, as far as the lock can tell
@@ -192,6 +198,7 @@ def test_a_run_directory_in_use_stops_a_second_run(existing_run, monkeypatch, ca
     assert _snapshot(existing_run) == before
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_named_on_resume(existing_run, tmp_path):
     rd = tmp_path / "run"
     shutil.copytree(existing_run, rd)

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from model import ModelArgs, num_params
+
+pytestmark = pytest.mark.slow  # the benchmark runs in a subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=512, max_seq_len=64)

@@ -4,7 +4,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,34 +14,30 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import checkpoint as ckpt_lib
-import train_fsdp
+import distributed
+import trainer
+from config import parse_config
 from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def single_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
 
 def _session(run_dir, *overrides):
     prepared_data_dir(run_dir)
-    cfg = train_fsdp.parse_config(["--config", DEBUG, "--run_dir", str(run_dir), "--train.steps", "50",
+    cfg = parse_config(["--config", DEBUG, "--run_dir", str(run_dir), "--train.steps", "50",
                                    "--checkpoint.keep", "0", *overrides])
-    return train_fsdp.build(cfg, 0, 1, torch.device("cpu"))
+    return trainer.build(cfg, 0, 1, torch.device("cpu"))
 
 
 def _steps(s, n):
     for _ in range(n):
-        train_fsdp.forward_backward(s.model, s.loader.next_step(), 16 * 128, 1, s.device, train_fsdp.contextlib.nullcontext)
-        train_fsdp.optimizer_step(s.model, s.optimizer, 1.0, s.device)
+        trainer.forward_backward(s.model, s.loader.next_step(), 16 * 128, 1, s.device, s.mesh)
+        trainer.optimizer_step(s.model, s.optimizer, 1.0, s.device)
         s.scheduler.step()
         s.train_state.step += 1
         s.train_state.tokens_seen += 16 * 128
@@ -147,6 +142,7 @@ def test_checkpoint_of_another_model_names_keys_and_shapes(tmp_path, single_rank
         ckpt_lib.read_metadata(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_stops_the_run_before_anything_is_overwritten(tmp_path):
     rd = tmp_path / "run"
     prepared_data_dir(rd)
@@ -190,6 +186,7 @@ def _kill_after(rd, nproc, step, sig, *extra):
     return p.wait(timeout=120)
 
 
+@pytest.mark.slow
 def test_sigkill_at_a_random_step_then_resume_gives_the_uninterrupted_losses(tmp_path, reference):
     rd = tmp_path / "killed"
     prepared_data_dir(rd)
@@ -202,6 +199,7 @@ def test_sigkill_at_a_random_step_then_resume_gives_the_uninterrupted_losses(tmp
     assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-6, f"killed after step {kill_step}"
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
     rd = tmp_path / "term"
     prepared_data_dir(rd)
@@ -216,6 +214,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
     assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-6
 
 
+@pytest.mark.slow
 def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, reference):
     # 2 ranks (reference, step 4) -> 1 rank (steps 5-6) -> 2 ranks (steps 7-10); DCP reshards each time.
     one = tmp_path / "one_rank"
@@ -234,6 +233,7 @@ def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, referen
         assert max(abs(got[s] - want[s]) / want[s] for s in got) <= 1e-4
 
 
+@pytest.mark.slow
 def test_load_from_starts_a_new_run_once_then_the_run_resumes_from_its_own(tmp_path, reference):
     rd = tmp_path / "branch"
     prepared_data_dir(rd)

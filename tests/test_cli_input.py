@@ -10,6 +10,7 @@ import pytest
 import evaluate
 import generate
 import hf
+import tokenizer
 from debug_export import debug_run_dir
 from launch import ROOT
 from model import ModelArgs
@@ -46,11 +47,9 @@ def _tree(folder) -> dict:
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory) -> str:
     """A tiny Hugging Face Llama folder (random weights, a small trained tokenizer)."""
-    import data
-
     root = tmp_path_factory.mktemp("cli_hf")
     tok = str(root / "tokenizer.json")
-    data.train_tokenizer([open(os.path.join(ROOT, "model.py")).read()], 320, 50_000).save(tok)
+    tokenizer.train_tokenizer([open(os.path.join(ROOT, "model.py")).read()], 320, 50_000).save(tok)
     args = ModelArgs(**TINY)
     hf.save_hf(random_model(args).state_dict(), args, tok, str(root / "hf"))
     return str(root / "hf")
@@ -107,6 +106,7 @@ def test_a_bad_config_json_is_named(tmp_path, capsys, hf_folder):
     assert "config.json': UnicodeDecodeError" in _refused(generate.main, ["--hf", str(bad)], capsys)
 
 
+@pytest.mark.slow
 def test_export_refuses_an_existing_file_or_folder_and_leaves_it(tmp_path, tmp_path_factory, capsys):
     run = debug_run_dir(tmp_path_factory)
     afile = tmp_path / "model"
@@ -130,6 +130,7 @@ def test_export_refuses_an_existing_file_or_folder_and_leaves_it(tmp_path, tmp_p
     assert "required: --run_dir, --out" in _refused(hf.main, ["export"], capsys)
 
 
+@pytest.mark.slow
 def test_a_run_without_checkpoints_or_with_a_damaged_one(tmp_path, tmp_path_factory, capsys):
     run = debug_run_dir(tmp_path_factory)
     bare = tmp_path / "bare"
@@ -156,6 +157,7 @@ def test_a_run_without_checkpoints_or_with_a_damaged_one(tmp_path, tmp_path_fact
     (["--data.seq_len", "0"], "data.seq_len (0) must be in 1..model.max_seq_len"),
     (["--train.seed", "99999999999999999999999"], "train.seed: 99999999999999999999999 is out of range"),
 ])
+@pytest.mark.slow
 def test_evaluate_refuses_bad_input_before_the_process_group(tmp_path_factory, capsys, argv, words):
     line = _refused(evaluate.main, ["--run_dir", debug_run_dir(tmp_path_factory), *argv], capsys)
     assert words in line, line

@@ -1,10 +1,10 @@
-"""config.py and the root config: TOML + --section.field overrides, presets, --help, clear errors."""
+"""cli.py and the root config: TOML + --section.field overrides, presets, --help, clear errors."""
 import pytest
 
-import config as config_lib
-from config import ConfigError
+import cli
+from config import Config, parse_config
+from errors import ConfigError
 from launch import DEBUG
-from train_fsdp import Config, parse_config
 
 
 def test_debug_toml_with_overrides_and_preset():
@@ -17,7 +17,7 @@ def test_debug_toml_with_overrides_and_preset():
 def test_resolved_config_round_trips(tmp_path):
     cfg = parse_config(["--config", DEBUG, "--optim.lr", "0.01"])
     path = tmp_path / "config.toml"
-    config_lib.write_resolved(cfg, str(path))
+    cli.write_resolved(cfg, str(path))
     assert parse_config(["--config", str(path)]) == cfg
 
 
@@ -50,7 +50,7 @@ def test_help_lists_every_field_with_its_doc(capsys):
     out = capsys.readouterr().out
     for section in ("model", "data", "train", "optim", "parallel", "checkpoint"):
         cls = type(getattr(Config(), section))
-        docs = config_lib.field_docs(cls)
+        docs = cli.field_docs(cls)
         for name in cls.__dataclass_fields__:
             assert f"--{section}.{name} " in out
             assert docs.get(name), f"{section}.{name} has no doc"

@@ -9,12 +9,15 @@ import pytest
 import torch
 
 import data
+import prepare
+import sources
+import tokenizer
 from data import DataConfig, DataError, DataState, GlobalBatchLoader, PackedCorpus
 
 
 def test_pack_documents_keeps_every_token_and_one_separator_per_document():
     docs = [[5, 6, 7], [8], [9, 10, 11, 12]]
-    stream = data.pack_documents(docs, eot_id=2)
+    stream = prepare.pack_documents(docs, eot_id=2)
     assert stream.tolist() == [5, 6, 7, 2, 8, 2, 9, 10, 11, 12, 2]
     assert (stream == 2).sum() == len(docs)
 
@@ -40,13 +43,13 @@ def corpus_dir(tmp_path_factory):
         (root / f"doc{i:03d}.txt").write_text(t)
     out = tmp_path_factory.mktemp("prepared")
     cfg = DataConfig(dataset=str(root / "*.txt"), tokenizer_vocab_size=300, seq_len=16, val_fraction=0.1)
-    meta = data.prepare(cfg, str(out))
+    meta = prepare.prepare(cfg, str(out))
     return cfg, str(out), meta, texts
 
 
 def test_prepared_corpus_counts_one_eot_per_nonempty_document_and_round_trips(corpus_dir):
     cfg, out, meta, texts = corpus_dir
-    tok = data.load_tokenizer(os.path.join(out, "tokenizer.json"))
+    tok = tokenizer.load_tokenizer(os.path.join(out, "tokenizer.json"))
     tokens = np.fromfile(os.path.join(out, "tokens.bin"), dtype=np.uint32)
     eot = tok.token_to_id("[EOT]")
     nonempty = [t for t in sorted(texts, key=lambda t: t) if t]
@@ -137,26 +140,26 @@ def test_indivisible_batch_and_too_small_corpus_are_rejected(corpus_dir):
 
 def test_missing_and_empty_sources_fail_with_the_field(tmp_path):
     with pytest.raises(DataError, match="data.dataset: no file matches"):
-        list(data.iter_documents(DataConfig(dataset=str(tmp_path / "nope" / "*.txt"))))
+        list(sources.iter_documents(DataConfig(dataset=str(tmp_path / "nope" / "*.txt"))))
     (tmp_path / "empty.txt").write_text("   \n")
-    data.train_tokenizer(["hello world"], 300, 1000).save(str(tmp_path / "tok.json"))
+    tokenizer.train_tokenizer(["hello world"], 300, 1000).save(str(tmp_path / "tok.json"))
     cfg = DataConfig(dataset=str(tmp_path / "empty.txt"), tokenizer=str(tmp_path / "tok.json"))
     with pytest.raises(DataError, match="no non-empty document"):
-        data.prepare(cfg, str(tmp_path / "out"))
+        prepare.prepare(cfg, str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == ["empty.txt", "tok.json"]  # neither out nor out.tmp is left
 
 
 def test_jsonl_source_reads_the_text_column_and_reports_a_missing_one(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"body": f"text {i}"}) for i in range(3)))
-    docs = list(data.iter_documents(DataConfig(dataset=str(path), text_column="body")))
+    docs = list(sources.iter_documents(DataConfig(dataset=str(path), text_column="body")))
     assert docs == ["text 0", "text 1", "text 2"]
     with pytest.raises(DataError, match="data.text_column"):
-        list(data.iter_documents(DataConfig(dataset=str(path))))
+        list(sources.iter_documents(DataConfig(dataset=str(path))))
 
 
 def test_stdlib_default_corpus_exists_offline():
-    files = data.stdlib_files()
+    files = sources.stdlib_files()
     assert len(files) > 100 and all(f.endswith(".py") for f in files)
     assert not any("site-packages" in f for f in files)
 
@@ -164,14 +167,14 @@ def test_stdlib_default_corpus_exists_offline():
 def test_prepare_and_tokenizer_commands(tmp_path, capsys):
     from launch import DEBUG
 
-    assert data.main(["prepare", "--config", DEBUG, "--run_dir", str(tmp_path), "--data.max_documents", "20"]) == 0
+    assert prepare.main(["prepare", "--config", DEBUG, "--run_dir", str(tmp_path), "--data.max_documents", "20"]) == 0
     meta = json.loads(capsys.readouterr().out)
     assert meta["n_documents"] == 20 and (tmp_path / "data" / "tokens.bin").stat().st_size == 4 * meta["n_tokens"]
     out = tmp_path / "tok.json"
-    assert data.main(["tokenizer", "--config", DEBUG, "--out", str(out), "--data.max_documents", "5",
+    assert prepare.main(["tokenizer", "--config", DEBUG, "--out", str(out), "--data.max_documents", "5",
                       "--data.tokenizer_vocab_size", "400"]) == 0
-    assert data.load_tokenizer(str(out)).get_vocab_size() == 400
-    assert data.main(["tokenizer", "--config", DEBUG]) == 2
+    assert tokenizer.load_tokenizer(str(out)).get_vocab_size() == 400
+    assert prepare.main(["tokenizer", "--config", DEBUG]) == 2
 
 
 def _threads_gather(world):
@@ -195,7 +198,7 @@ def _prepare_on_ranks(cfg, out, world):
 
     def rank_main(rank):
         try:
-            results[rank] = data.prepare(cfg, out, rank, world, gathers[rank])
+            results[rank] = prepare.prepare(cfg, out, rank, world, gathers[rank])
         except DataError as e:
             results[rank] = e
     threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
@@ -208,8 +211,8 @@ def _prepare_on_ranks(cfg, out, world):
 
 @pytest.mark.parametrize("source", ["txt", "jsonl", "max_documents"])
 def test_tokenizing_on_3_ranks_writes_the_stream_of_1_rank_byte_for_byte(tmp_path, monkeypatch, source):
-    monkeypatch.setattr(data, "FILES_PER_UNIT", 4)  # several units per rank, some ranks with more than others
-    monkeypatch.setattr(data, "DOCS_PER_UNIT", 5)
+    monkeypatch.setattr(sources, "FILES_PER_UNIT", 4)  # several units per rank, some ranks with more than others
+    monkeypatch.setattr(prepare, "DOCS_PER_UNIT", 5)
     src = tmp_path / "src"
     src.mkdir()
     texts = [f"doc {i} " + "lorem ipsum dolor " * (i % 7) for i in range(37)]
@@ -219,10 +222,10 @@ def test_tokenizing_on_3_ranks_writes_the_stream_of_1_rank_byte_for_byte(tmp_pat
     else:
         for i, t in enumerate(texts):
             (src / f"d{i:02d}.txt").write_text(t)
-    data.train_tokenizer(texts, 300, 10**6).save(str(tmp_path / "tok.json"))
+    tokenizer.train_tokenizer(texts, 300, 10**6).save(str(tmp_path / "tok.json"))
     cfg = DataConfig(dataset=str(src), tokenizer=str(tmp_path / "tok.json"),
                      max_documents=23 if source == "max_documents" else 0)
-    ref = data.prepare(cfg, str(tmp_path / "one"))
+    ref = prepare.prepare(cfg, str(tmp_path / "one"))
     metas = _prepare_on_ranks(cfg, str(tmp_path / "three"), 3)
     assert all(m == {**ref, "tokenizer": str(tmp_path / "three" / "tokenizer.json")} for m in metas)
     assert ref["work_units"] > 3 and ref["n_documents"] == (23 if source == "max_documents" else 37)
@@ -232,24 +235,25 @@ def test_tokenizing_on_3_ranks_writes_the_stream_of_1_rank_byte_for_byte(tmp_pat
 
 
 def test_bad_input_found_by_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "FILES_PER_UNIT", 2)
+    monkeypatch.setattr(sources, "FILES_PER_UNIT", 2)
     src = tmp_path / "src"
     src.mkdir()
     for i in range(8):
         (src / f"d{i}.txt").write_text(f"document {i}")
     (src / "d5.txt").write_bytes(b"caf\xe9")  # in unit 2, which rank 2 of 3 reads
-    data.train_tokenizer(["document"], 300, 10**6).save(str(tmp_path / "tok.json"))
+    tokenizer.train_tokenizer(["document"], 300, 10**6).save(str(tmp_path / "tok.json"))
     cfg = DataConfig(dataset=str(src), tokenizer=str(tmp_path / "tok.json"))
     results = _prepare_on_ranks(cfg, str(tmp_path / "out"), 3)
     assert all(isinstance(r, DataError) and "d5.txt' is not valid UTF-8" in str(r) for r in results)
     assert sorted(os.listdir(tmp_path)) == ["src", "tok.json"]
 
 
+@pytest.mark.slow
 def test_prepare_under_torchrun_equals_one_process(tmp_path):
     from launch import DEBUG, torchrun
 
     args = ["prepare", "--config", DEBUG, "--data.max_documents", "40"]
-    assert data.main(args + ["--run_dir", str(tmp_path / "one")]) == 0
-    torchrun(2, "data.py", *args, "--run_dir", str(tmp_path / "two"))
+    assert prepare.main(args + ["--run_dir", str(tmp_path / "one")]) == 0
+    torchrun(2, "prepare.py", *args, "--run_dir", str(tmp_path / "two"))
     for name in ("tokens.bin", "tokenizer.json"):
         assert (tmp_path / "one" / "data" / name).read_bytes() == (tmp_path / "two" / "data" / name).read_bytes()

@@ -13,8 +13,9 @@ import generate
 import hf
 from debug_export import debug_run_dir, exported_dir
 from launch import ROOT
+from model import ModelArgs
 from models import random_model
-from model import ModelArgs, Transformer
+from tokenizer import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,8 +43,6 @@ def test_cached_forward_equals_the_training_forward():
 
 
 def test_greedy_generation_equals_transformers(tmp_path):
-    from data import train_tokenizer
-
     args = ModelArgs(**{**GQA, "vocab_size": 320})
     model = random_model(args, seed=3)
     tok = str(tmp_path / "tokenizer.json")
@@ -59,8 +58,7 @@ def test_greedy_generation_equals_transformers(tmp_path):
 
 
 def test_sampling_filters_equal_transformers_warpers():
-    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                        TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     logits = torch.randn(4, 200, generator=torch.Generator().manual_seed(0)) * 3
     for t, k, p in ((0.7, 0, 0.9), (1.3, 20, 1.0), (1.0, 50, 0.5), (0.5, 5, 0.95)):
@@ -105,6 +103,7 @@ print(json.dumps({"ids": out[0].tolist(), "text": tok.decode(out[0], skip_specia
 """
 
 
+@pytest.mark.slow
 def test_exported_checkpoint_generates_through_plain_transformers(tmp_path_factory):
     """The done criterion: `python hf.py export` output runs in a fresh process with transformers only."""
     folder = exported_dir(tmp_path_factory)
@@ -113,7 +112,7 @@ def test_exported_checkpoint_generates_through_plain_transformers(tmp_path_facto
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["text"].startswith("def main(") and len(result["text"]) > len("def main(")
-    model, tok_path = hf.load_model(debug_run_dir(tmp_path_factory))
+    model, tok_path = generate.load_model(debug_run_dir(tmp_path_factory))
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tok_path)
@@ -123,6 +122,7 @@ def test_exported_checkpoint_generates_through_plain_transformers(tmp_path_facto
     assert result["ids"][len(prompt):] == ours
 
 
+@pytest.mark.slow
 def test_generate_command_prints_samples(tmp_path_factory, capsys):
     run = debug_run_dir(tmp_path_factory)
     assert generate.main(["--run_dir", run, "--prompt", "import ", "--max_new_tokens", "16", "--num_samples", "2"]) == 0

@@ -11,11 +11,14 @@ import torch
 import torch.nn.functional as F
 
 import data
+import generate
 import hf
+import tokenizer
+from config import parse_config
 from debug_export import debug_run_dir, exported_dir
 from launch import DEBUG, ROOT, metrics, prepared_data_dir, torchrun
-from models import random_model
 from model import PRESETS, ModelArgs, Transformer
+from models import random_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,10 +31,10 @@ TEXTS = ["def main():\n    print('héllo, wörld')  # 🙂\n", "  leading and   
 
 @pytest.fixture(scope="module")
 def tok_path(tmp_path_factory):
-    """A tiny byte-level BPE tokenizer trained as data.py trains one."""
-    corpus = [open(os.path.join(ROOT, f)).read() for f in ("model.py", "data.py", "config.py")]
+    """A tiny byte-level BPE tokenizer trained as prepare.py trains one."""
+    corpus = [open(os.path.join(ROOT, f)).read() for f in ("model.py", "data.py", "cli.py")]
     path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
-    data.train_tokenizer(corpus, 320, 200_000).save(path)
+    tokenizer.train_tokenizer(corpus, 320, 200_000).save(path)
     return path
 
 
@@ -120,9 +123,10 @@ def test_import_then_export_is_the_identity(tmp_path, tok_path):
     assert c1.rope_parameters["rope_theta"] == c2.rope_parameters["rope_theta"] == args.rope_theta
 
 
+@pytest.mark.slow
 def test_checkpoint_export_and_sharded_export_match_our_model(tmp_path_factory, tmp_path):
     run = debug_run_dir(tmp_path_factory)
-    ours, _ = hf.load_model(run)
+    ours, _ = generate.load_model(run)
     tokens = torch.randint(0, ours.args.vocab_size, (2, 128), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = ours(tokens)
@@ -136,6 +140,7 @@ def test_checkpoint_export_and_sharded_export_match_our_model(tmp_path_factory, 
         assert (got - expected).abs().max().item() <= tol, folder
 
 
+@pytest.mark.slow
 def test_import_into_a_sharded_training_session(tmp_path_factory, tmp_path):
     """The init_from_hf wiring: build the FSDP session, load_hf_into with copy_sharded, train from it."""
     folder = exported_dir(tmp_path_factory)
@@ -162,11 +167,10 @@ def _without_checkpoints(run, tmp_path) -> str:
 
 
 def _debug_cfg():
-    import train_fsdp
-
-    return train_fsdp.parse_config(["--config", DEBUG])
+    return parse_config(["--config", DEBUG])
 
 
+@pytest.mark.slow
 def test_perplexity_of_evaluate_equals_transformers_on_the_same_windows(tmp_path_factory):
     run = debug_run_dir(tmp_path_factory)
     cfg = _debug_cfg()
@@ -177,7 +181,7 @@ def test_perplexity_of_evaluate_equals_transformers_on_the_same_windows(tmp_path
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     corpus = data.PackedCorpus(os.path.join(run, "data"), cfg.data)
     assert corpus.n_val >= n
-    windows = torch.from_numpy(np.stack([corpus.val_sample(i) for i in range(n)]))
+    windows = torch.from_numpy(np.stack([corpus.sample(corpus.n_train + i) for i in range(n)]))
     ref = load_hf(exported_dir(tmp_path_factory))
     with torch.no_grad():
         logits = torch.cat([ref(w[:, :-1]).logits for w in windows.split(16)])
@@ -198,6 +202,7 @@ def _error_line(main, argv, capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_input_gives_one_line_errors(tmp_path, tmp_path_factory, tok_path, capsys):
     import evaluate
     import generate

@@ -1,7 +1,5 @@
 """model.py against references: causality, GQA = MHA with repeated K/V, meta init = eager init,
 RMSNorm and RoPE against their textbook definitions, parameter count against the module tree."""
-import dataclasses
-import math
 
 import pytest
 import torch
@@ -143,7 +141,8 @@ def test_sequence_longer_than_rope_table_is_rejected():
 
 
 def test_model_does_not_import_torch_distributed():
-    import ast, pathlib
+    import ast
+    import pathlib
     src = (pathlib.Path(__file__).parent.parent / "model.py").read_text()
     names = [a.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom)]

@@ -6,6 +6,8 @@ import pytest
 
 from launch import debug_run, losses, metrics, prepared_data_dir
 
+pytestmark = pytest.mark.slow  # every test here trains under torchrun
+
 FAST = ["--train.steps", "4", "--checkpoint.interval", "1000", "--train.val_interval", "0"]
 
 

@@ -1,0 +1,297 @@
+"""Nested dataclass configs from a TOML file plus ``--section.field value`` overrides.
+
+Each module owns its config dataclass and documents a field with a string literal right
+after it (as attribute docstrings); those strings are the ``--help`` text. A field typed
+``Literal[...]`` accepts only those strings. Errors name the key and suggest the nearest
+valid one. Nothing here knows about training: ``config.py`` holds the root config.
+
+The other command-line tools (generate.py, evaluate.py, hf.py, prepare.py) use
+``ArgumentParser`` and ``number`` below, so every bad flag ends the same way: one line
+``error: ...`` and status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import os
+import sys
+import textwrap
+import typing
+from typing import Any, Literal
+
+import tomllib
+
+from errors import ConfigError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line 'error: ...' on stderr and exits with status 2."""
+
+    def error(self, message: str):
+        print(f"error: {message}; see --help", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def number(kind: type, ok, rule: str):
+    """An argparse type: kind(text) (int or float) that ok(value) accepts; else the flag's error says rule.
+
+    E.g. number(int, lambda v: v >= 1, "an int >= 1"). NaN never passes (every comparison is False).
+    """
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (ValueError, OverflowError):
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: {field name: the string literal after it}."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _suggest(name: str, choices) -> str:
+    near = difflib.get_close_matches(name, list(choices), n=1)
+    return f"; did you mean '{near[0]}'?" if near else f"; valid: {', '.join(sorted(choices))}"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """repr(value), cut to limit characters so an error stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def choices_text(choices) -> str:
+    """('a', 'b', 'c') -> "'a', 'b' or 'c'", for messages."""
+    quoted = [f"'{c}'" for c in choices]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _convert(key: str, value: Any, typ) -> Any:
+    """Coerce a TOML or command-line value to the field's type; raise ConfigError if it can't."""
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if isinstance(value, str):
+            if value in choices:
+                return value
+            raise ConfigError(f"{key} must be {choices_text(choices)}, got {_short(value)}")
+        typ = str  # a number or table where a choice belongs: "expected str"
+    elif typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif typ is int:
+        number = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        elif isinstance(value, str):
+            try:
+                number = int(value.replace("_", ""))
+            except ValueError:
+                pass
+        if number is not None:
+            if not -2**63 <= number < 2**63:  # torch and numpy take 64-bit ints (seeds, step counts)
+                raise ConfigError(f"{key}: {_short(number)} is out of range; use a 64-bit int (|value| < 2**63)")
+            return number
+    elif typ is float:
+        try:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(value, str):
+                return float(value)
+        except (ValueError, OverflowError):  # OverflowError: an int beyond the float range
+            pass
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    elif origin is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        args = typing.get_args(typ)
+        if isinstance(items, (list, tuple)) and len(items) == len(args):
+            return tuple(_convert(key, v, t) for v, t in zip(items, args))
+    raise ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {_short(value)}")
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def build(root_cls, sections: dict[str, dict], presets: dict[str, dict[str, dict]] | None = None):
+    """Build root_cls from {section: {field: value}}; raises ConfigError on unknown keys or bad types.
+
+    A section may name a preset ('preset = "debug"') when presets[section] has one: its
+    values apply first, explicit keys override them.
+    """
+    presets = presets or {}
+    hints = _hints(root_cls)
+    kwargs = {}
+    top = {f.name: f for f in dataclasses.fields(root_cls)}
+    for name, value in sections.items():
+        if name not in top:
+            raise ConfigError(f"unknown config section or key '{name}'{_suggest(name, top)}")
+        if not dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _convert(name, value, hints[name])
+    for name, f in top.items():
+        cls = hints[name]
+        if not dataclasses.is_dataclass(cls):
+            continue
+        values = sections.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"'{name}' is a section: set its fields as --{name}.FIELD value or in [{name}]")
+        values = dict(values)
+        merged: dict[str, Any] = {}
+        preset = values.pop("preset", None)
+        if preset is not None and not isinstance(preset, str):
+            raise ConfigError(f"{name}.preset: expected a preset name (str), got {_short(preset)}"
+                              f"; valid: {', '.join(sorted(presets.get(name, {})))}")
+        if preset is not None:
+            table = presets.get(name, {})
+            if preset not in table:
+                raise ConfigError(f"{name}.preset: unknown preset '{preset}'{_suggest(preset, table)}")
+            merged.update(table[preset])
+        merged.update(values)
+        fields = _hints(cls)
+        for key in merged:
+            if key not in fields:
+                raise ConfigError(f"unknown config key '{name}.{key}'{_suggest(key, fields)}")
+        try:
+            kwargs[name] = cls(**{k: _convert(f"{name}.{k}", v, fields[k]) for k, v in merged.items()})
+        except ValueError as e:  # model.ModelArgs' own validation (model.py imports nothing of ours)
+            raise ConfigError(str(e)) from e
+    return root_cls(**kwargs)
+
+
+def parse_args(root_cls, argv: list[str] | None, presets=None, description: str = ""):
+    """Parse ``--config FILE.toml`` and ``--section.field value`` (or ``=value``) into root_cls.
+
+    ``--help`` prints every field with its type, default and doc, then exits 0.
+    Raises ConfigError for an unreadable file, an unknown key or a bad value.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text(root_cls, description))
+        raise SystemExit(0)
+    sections: dict[str, Any] = {}
+    pairs = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.field value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"--{key} needs a value: --{key} VALUE or --{key}=VALUE")
+            value = argv[i + 1]
+            i += 1
+        pairs.append((key, value))
+        i += 1
+    for key, value in pairs:
+        if key == "config":
+            try:
+                with open(value, "rb") as f:
+                    loaded = tomllib.load(f)
+            except OSError as e:
+                raise ConfigError(f"--config: cannot read '{value}': {e.strerror}; give an existing TOML file") from e
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"--config: '{value}' is not UTF-8 text (byte {e.start}); give a TOML file") from e
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"--config: '{value}' is not valid TOML: {e}; fix that line") from e
+            except ValueError as e:  # e.g. a NUL byte in the path
+                raise ConfigError(f"--config: cannot read {value!r}: {e}") from e
+            for sec, vals in loaded.items():
+                if isinstance(vals, dict) and isinstance(sections.get(sec), dict):
+                    sections[sec].update(vals)
+                else:
+                    sections[sec] = dict(vals) if isinstance(vals, dict) else vals
+    for key, value in pairs:
+        if key == "config":
+            continue
+        sec, dot, name = key.partition(".")
+        if dot:
+            sections.setdefault(sec, {})
+            if not isinstance(sections[sec], dict):
+                raise ConfigError(f"--{key}: '{sec}' is not a section")
+            sections[sec][name] = value
+        else:
+            sections[key] = value
+    return build(root_cls, sections, presets)
+
+
+def _type_name(typ) -> str:
+    if typing.get_origin(typ) is Literal:
+        return "|".join(typing.get_args(typ))
+    return getattr(typ, "__name__", str(typ))
+
+
+def help_text(root_cls, description: str = "") -> str:
+    """Every field of root_cls as '--section.field TYPE (default X): doc'."""
+    lines = [description, "", "usage: --config FILE.toml [--section.field VALUE ...]", ""]
+    hints = _hints(root_cls)
+    top_docs = field_docs(root_cls)
+    for f in dataclasses.fields(root_cls):
+        cls = hints[f.name]
+        if not dataclasses.is_dataclass(cls):
+            lines.append(f"  --{f.name} {_type_name(cls)} (default {f.default!r}): {top_docs.get(f.name, '')}")
+            continue
+        lines.append(f"[{f.name}] {top_docs.get(f.name, '')}")
+        docs = field_docs(cls)
+        for sub in dataclasses.fields(cls):
+            typ = _hints(cls)[sub.name]
+            lines.append(f"  --{f.name}.{sub.name} {_type_name(typ)} "
+                         f"(default {sub.default!r}): {docs.get(sub.name, '')}")
+    return "\n".join(lines)
+
+
+def to_toml(cfg) -> str:
+    """The resolved config as TOML that parse_args reads back (--config)."""
+    out_top, out_sections = [], []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out_sections.append(f"\n[{f.name}]")
+            for sub in dataclasses.fields(value):
+                out_sections.append(f"{sub.name} = {_toml_value(getattr(value, sub.name))}")
+        else:
+            out_top.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(out_top + out_sections) + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def write_resolved(cfg, path: str) -> None:
+    """Write to_toml(cfg) to path atomically."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_toml(cfg))
+    os.replace(tmp, path)

@@ -1,0 +1,171 @@
+"""The process group and the small collective helpers every command shares.
+
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) decides the layout;
+a plain ``python`` run is one rank on a free port. CUDA runs get NCCL for CUDA tensors plus
+gloo for CPU ones; CPU runs get gloo.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from errors import SetupError, UserError
+
+LONG_TIMEOUT = datetime.timedelta(hours=24)
+"""Timeout of the groups that tokenize a corpus: it can outlast the default 30 minutes. A hung
+peer is still caught, because torchrun stops every rank when one fails."""
+
+
+def world_size() -> int:
+    """WORLD_SIZE from torchrun's environment (1 for a plain python run)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """torch.device for train.device ('auto', 'cuda' or 'cpu') on local rank local_rank.
+
+    Raises SetupError for 'cuda' without a visible CUDA device.
+    """
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SetupError("train.device is 'cuda' but no CUDA device is visible; use --train.device cpu")
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str) -> tuple[int, int, torch.device]:
+    """Join the process group from torchrun's environment; returns (rank, world size, device).
+
+    device: train.device. A plain `python` run (no MASTER_PORT) takes a free port, so two
+    runs on one machine never clash on torchrun's default 29500.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    world = world_size()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    return rank, world, dev
+
+
+def finish_distributed() -> None:
+    """Leave the process group together: a barrier, then destroy.
+
+    Without the barrier, a rank that finishes its last gloo collective first can close its
+    connections while a peer's gloo thread still uses them, and the peer aborts on exit
+    ("terminate called without an active exception") after its work is done.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def abandon_distributed() -> None:
+    """Destroy the process group after an error, without a barrier: a peer may never reach one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def on_rank0(fn, rank: int):
+    """Run fn on rank 0 and share its result (collective); every rank raises the same error if it failed.
+
+    A UserError on rank 0 becomes a SetupError with the same message on every rank.
+    """
+    box = [None, None]
+    if rank == 0:
+        try:
+            box[0] = fn()
+        except UserError as e:
+            box[1] = str(e)
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise SetupError(box[1])
+    return box[0]
+
+
+def gatherer(group=None):
+    """all_gather(obj) -> [every rank's obj] over group (all_gather_object), for data preparation."""
+    n = dist.get_world_size(group)
+
+    def all_gather(obj):
+        out = [None] * n
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return all_gather
+
+
+def long_timeout_group():
+    """A new gloo group over every rank with LONG_TIMEOUT (collective); destroy it when done."""
+    return dist.new_group(backend="gloo", timeout=LONG_TIMEOUT)
+
+
+class StopFlag:
+    """SIGTERM (preemption) sets a flag; ranks agree on it once per step, so all stop together."""
+
+    def __init__(self):
+        self.local = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.local = True
+
+    def any_rank(self) -> bool:
+        """True on every rank if any rank got SIGTERM (collective, a CPU all-reduce: never a GPU sync)."""
+        flag = torch.tensor([1.0 if self.local else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def grad_norm_(params, max_norm: float, device: torch.device) -> torch.Tensor:
+    """Global L2 norm of the gradients of params (DTensors on any mesh, or plain tensors); clip in place.
+
+    Each gradient's local squared sum is reduced over the mesh dimensions it is sharded on
+    (replicated dimensions hold copies and are not summed), on `device` so CPU-offloaded
+    gradients work with NCCL. Returns the pre-clip norm as a 0-dim fp32 tensor on device.
+    Clipping (max_norm > 0) scales every gradient by min(1, max_norm / (norm + 1e-6)).
+    """
+    groups: dict[tuple, torch.Tensor] = {}
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        grads.append(g)
+        if isinstance(g, DTensor):
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            key, local = (g.device_mesh, dims), g.to_local()
+        else:
+            key, local = (None, ()), g
+        sq = local.detach().float().pow(2).sum().to(device)
+        groups[key] = groups[key] + sq if key in groups else sq
+    total = torch.zeros((), device=device)
+    for (mesh, dims), sq in groups.items():
+        for d in dims:
+            dist.all_reduce(sq, group=mesh.get_group(d))
+        total = total + sq
+    norm = total.sqrt()
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(local.device))
+    return norm

@@ -1,0 +1,135 @@
+"""Parallelism, applied from outside in one place: the mesh, then TP, AC, compile, FSDP2, init.
+
+Order (each step needs the one before):
+build on the meta device -> tensor-parallel plan (2D only) -> activation checkpointing ->
+compile -> ``fully_shard`` each block, then the root -> ``to_empty`` -> ``init_weights``.
+TP first because FSDP2 shards the DTensors TP made; checkpointing and compile wrap the
+blocks FSDP2 then shards as units; weights are initialised only once they exist on the
+device, from the seed and the full shapes, so they do not depend on the layout. Module names
+stay unchanged: composable activation checkpointing and ``Module.compile`` add no prefixes
+to state-dict keys, so checkpoints load whatever the layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch.distributed._composable import checkpoint as activation_checkpoint
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from errors import ConfigError
+from model import ModelArgs, Transformer
+
+TPPlan = dict[str, ParallelStyle]
+"""A tensor-parallel plan: module name pattern (e.g. 'layers.*.attention.wq') -> its style."""
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel degree (train_2d.py only; train_fsdp.py needs 1)."""
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (ZeRO-3); false keeps them until backward (ZeRO-2 like)."""
+    prefetch: int = 1
+    """How many blocks ahead FSDP gathers parameters in forward and backward."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA runs only)."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        if self.prefetch < 1:
+            raise ConfigError(f"parallel.prefetch must be >= 1, got {self.prefetch}")
+
+
+def build_mesh(device: torch.device, world_size: int, tp: int = 1) -> DeviceMesh:
+    """The device mesh (collective): ("dp",) of world_size, or ("dp", "tp") of (world_size / tp, tp) when tp > 1.
+
+    Consecutive ranks form a TP group, so with torchrun's rank order a TP group stays inside
+    one node. The caller has checked that tp divides world_size.
+    """
+    if tp > 1:
+        return init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """Keep matmul and attention outputs for backward, recompute the cheap elementwise rest."""
+    keep = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dtype: str = "float32",
+                activation_checkpointing: str = "none", compile: bool = False, tp_plan: TPPlan | None = None) -> None:
+    """Apply the TP plan (when mesh has "tp"), activation checkpointing, compile and FSDP2 to a meta-device model.
+
+    dtype: 'bfloat16' (mixed precision: bf16 compute, fp32 master weights and gradient
+    reductions) or 'float32'. activation_checkpointing: 'none', 'full' or 'selective' (keep
+    matmul outputs). FSDP2 shards over the mesh's "dp" dimension.
+    """
+    if "tp" in (mesh.mesh_dim_names or ()):
+        # src_data_rank=None: nothing is copied; init_weights fills the shards afterwards.
+        parallelize_module(model, mesh["tp"], tp_plan, src_data_rank=None)
+    for block in model.layers:
+        if activation_checkpointing == "full":
+            activation_checkpoint(block)
+        elif activation_checkpointing == "selective":
+            activation_checkpoint(block, context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                                      selective_policy))
+        if compile:
+            block.compile()
+    kwargs = dict(mesh=mesh["dp"], reshard_after_forward=cfg.reshard_after_forward,
+                  offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
+    if dtype == "bfloat16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = list(model.layers)
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if cfg.prefetch > 1:  # depth 1 is FSDP2's implicit prefetch
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch):i][::-1])
+
+
+def copy_sharded(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a full initial value into a (possibly DTensor) parameter, keeping only the local shard.
+
+    distribute_tensor with src_data_rank=None slices locally: no communication, and the
+    result is the same whatever the mesh, so initial weights do not depend on sharding.
+    """
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(full)
+
+
+def materialize(model: Transformer, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
+    """to_empty onto device (parameters on CPU when offloading), then init_weights(seed), shard by shard."""
+    model.to_empty(device="cpu" if cpu_offload else device)
+    for name in ("rope_cos", "rope_sin"):  # buffers are not offloaded: compute needs them on the device
+        setattr(model, name, getattr(model, name).to(device))
+    model.init_weights(seed, copy_=copy_sharded)
+
+
+def build_model(args: ModelArgs, mesh: DeviceMesh, device: torch.device, seed: int, cfg: ParallelConfig, *,
+                dtype: str = "float32", activation_checkpointing: str = "none", compile: bool = False,
+                tp_plan: TPPlan | None = None) -> Transformer:
+    """A Transformer of shape args, built on the meta device, parallelized on mesh and initialised from seed.
+
+    The whole construction order in one call (see parallelize for the options). The weights
+    equal those of a single-process Transformer(args).init_weights(seed) at any mesh.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize(model, mesh, cfg, dtype=dtype, activation_checkpointing=activation_checkpointing,
+                compile=compile, tp_plan=tp_plan)
+    materialize(model, device, seed, cfg.cpu_offload)
+    return model

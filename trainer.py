@@ -1,0 +1,311 @@
+"""The training run: build it, the step, the loop, validation, SIGTERM, and the command's error boundary.
+
+``train_fsdp.py`` and ``train_2d.py`` call ``main``; they differ only in the tensor-parallel
+plan they hand it (and that plan's layout checks). Everything else lives here once, on
+top of the library modules: parallelize, optim, loss, data, prepare, checkpoint, metrics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from tqdm import tqdm
+
+import cli
+import distributed
+import hf
+from checkpoint import AppState, Checkpointer, TrainState, check_compatible, check_same_config, lock_run_dir
+from config import Config, check_vocab, parse_config, validate
+from data import DataState, GlobalBatchLoader, PackedCorpus, val_batches
+from errors import SetupError, TrainingError, UserError
+from loss import loss_context, scalar, token_loss_sum
+from metrics import MetricsLog, device_peak_flops, peak_memory_gib
+from model import Transformer, flops_per_token, num_params
+from optim import build_optimizer
+from parallelize import TPPlan, build_mesh, build_model, copy_sharded
+from prepare import prepare_on_all_ranks
+
+# ---------------------------------------------------------------- the step
+
+
+def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device, mesh: DeviceMesh) -> torch.Tensor:
+    """Forward and backward over this rank's micro-batches of one step; gradients accumulate.
+
+    micro_batches: [(inputs, labels)], each (mb, seq_len) int64. Every micro-batch's loss sum
+    is divided by n_targets, the global count of target tokens of the step, and multiplied by
+    dp_size because FSDP averages gradients over data-parallel ranks: the gradient is exactly
+    that of the global mean token loss, however the batch is split. Returns this rank's
+    summed token loss, a 0-dim fp32 tensor on device (no host sync).
+    """
+    loss_sum = torch.zeros((), device=device)
+    context = loss_context(mesh)
+    for i, (inputs, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per step
+        with context():
+            loss = token_loss_sum(model, inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+            (loss * (dp_size / n_targets)).backward()
+        loss_sum += scalar(loss).detach()
+    return loss_sum
+
+
+class NonFiniteError(RuntimeError):
+    """The global gradient norm is NaN or inf; the weights were not updated."""
+
+
+def optimizer_step(model, optimizer, grad_clip: float, device, skip_nonfinite: bool = False) -> torch.Tensor:
+    """Clip to grad_clip (0: no clipping), step, zero the gradients; returns the pre-clip global norm.
+
+    A non-finite norm never reaches the weights: the gradients are dropped and NonFiniteError
+    is raised, or, with skip_nonfinite, the update is skipped and the non-finite norm returned.
+    Checking costs one host sync per step.
+    """
+    norm = distributed.grad_norm_(model.parameters(), grad_clip, device)
+    if not torch.isfinite(norm).item():
+        optimizer.zero_grad(set_to_none=True)
+        if skip_nonfinite:
+            return norm
+        raise NonFiniteError(f"gradient norm is {norm.item()}")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+@torch.no_grad()
+def validation_loss(model, batches, device, mesh: DeviceMesh) -> float:
+    """Mean token loss over every data-parallel rank's batches (each rank must get as many batches)."""
+    model.eval()
+    total = torch.zeros(2, device=device, dtype=torch.float64)
+    with loss_context(mesh)():
+        for inputs, labels in batches:
+            total[0] += scalar(token_loss_sum(model, inputs.to(device), labels.to(device))).double()
+            total[1] += labels.numel()
+    model.train()
+    dist.all_reduce(total, group=mesh["dp"].get_group())
+    return (total[0] / total[1]).item()
+
+
+# ---------------------------------------------------------------- building a run
+
+
+@dataclasses.dataclass
+class Session:
+    """Everything built for a run on one rank, before the loop (also used by tests and benchmarks)."""
+
+    cfg: Config
+    rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    dp: int
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    corpus: PackedCorpus
+    loader: GlobalBatchLoader
+    micro_batch_size: int
+    train_state: TrainState
+    ckpt: Checkpointer
+    app: AppState
+    meta: dict
+    resumed_from: str | None
+
+
+def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan: TPPlan | None = None,
+          resume: bool = True) -> Session:
+    """Mesh, data, sharded model, optimizer and checkpointer (collective); resumes if a checkpoint exists.
+
+    tp_plan: train_2d.py's plan, used when cfg.parallel.tp > 1. Raises SetupError (on every
+    rank) for bad data or a checkpoint that does not fit the model.
+    """
+    mesh = build_mesh(device, world_size, cfg.parallel.tp)
+    dp = mesh["dp"].size()
+    torch.manual_seed(cfg.train.seed)
+
+    # Data: all ranks tokenize their share of the corpus into the run directory, then map it.
+    data_dir = os.path.join(cfg.run_dir, "data")
+    try:
+        meta = prepare_on_all_ranks(cfg.data, data_dir)
+    except UserError as e:
+        raise SetupError(str(e)) from None
+    check_vocab(meta["vocab_size"], cfg.model.vocab_size, meta["tokenizer"])
+    corpus = PackedCorpus(data_dir, cfg.data)
+    micro = cfg.train.micro_batch(dp)
+    data_state = DataState()
+    loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, mesh["dp"].get_local_rank(), dp,
+                               cfg.train.seed, data_state)
+
+    t = cfg.train
+    model = build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=t.dtype,
+                        activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload)
+
+    train_state = TrainState()
+    ckpt = Checkpointer(cfg.checkpoint, cfg.run_dir, rank, cli.to_toml(cfg))
+    app = AppState(model, optimizer, scheduler, train_state, data_state, rank)
+
+    def find_resume():
+        ckpt.clean_partial()
+        path = ckpt.resume_path()
+        if path is not None:
+            with torch.device("meta"):
+                check_compatible(path, {k: v.shape for k, v in Transformer(cfg.model).state_dict().items()})
+            check_same_config(path, "model", dataclasses.asdict(cfg.model))
+        return path
+
+    path = distributed.on_rank0(find_resume, rank) if resume else None
+    if path is not None:
+        ckpt.load(path, app)
+    elif cfg.init_from_hf:  # every rank reads the folder and keeps its own shards: no communication
+        hf.load_hf_into(model, cfg.init_from_hf, copy_=copy_sharded)
+    return Session(cfg, rank, device, mesh, dp, model, optimizer, scheduler, corpus, loader, micro,
+                   train_state, ckpt, app, meta, path)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def train(s: Session) -> None:
+    """The training loop: steps, logging, validation, checkpoints, SIGTERM; from s.train_state.step on."""
+    cfg, rank, device, dp, mesh = s.cfg, s.rank, s.device, s.dp, s.mesh
+    model, optimizer, scheduler, loader, train_state, ckpt = (s.model, s.optimizer, s.scheduler, s.loader,
+                                                              s.train_state, s.ckpt)
+    if rank == 0:
+        cli.write_resolved(cfg, os.path.join(cfg.run_dir, "config.toml"))
+
+    n_targets = cfg.train.global_batch_size * cfg.data.seq_len  # packed: every label is a target
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
+    dist.all_reduce(peak)  # the run's peak is the sum of its ranks' peaks
+    peak_total = peak.item()
+    log = MetricsLog(cfg.run_dir, rank == 0)
+    val = val_batches(s.corpus, cfg.train.val_batches * cfg.train.global_batch_size, s.micro_batch_size,
+                      mesh["dp"].get_local_rank(), dp)
+    if rank == 0:
+        print(f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {device.type} | "
+              f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
+              f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
+              f"{s.corpus.n_val} val sequences | "
+              + (f"resumed from {s.resumed_from} at step {train_state.step}" if s.resumed_from else
+                 f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start"),
+              flush=True)
+
+    stop = distributed.StopFlag()
+    bar = tqdm(total=cfg.train.steps, initial=train_state.step, disable=rank != 0, dynamic_ncols=True)
+    t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
+    while train_state.step < cfg.train.steps:
+        lr = scheduler.get_last_lr()[0]
+        loss_sum = forward_backward(model, loader.next_step(), n_targets, dp, device, mesh)
+        try:
+            norm = optimizer_step(model, optimizer, cfg.optim.grad_clip, device, cfg.train.nonfinite == "skip")
+        except NonFiniteError as e:
+            raise TrainingError(
+                f"step {train_state.step + 1}: {e} (loss {loss_sum.item() / n_targets * dp:.4g} on rank {rank}); "
+                f"stopped before the update, so the last checkpoint in {ckpt.root} is untouched; lower optim.lr, "
+                f"raise optim.warmup_steps, or pass --train.nonfinite skip"
+            ) from None
+        scheduler.step()
+        train_state.step += 1
+        train_state.tokens_seen += n_targets
+        step = train_state.step
+        bar.update(1)
+        ckpt.poll()
+
+        if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
+            dist.all_reduce(loss_sum, group=mesh["dp"].get_group())
+            loss = loss_sum.item() / n_targets
+            grad_norm = norm.item()
+            elapsed = time.perf_counter() - t_last
+            tps = (train_state.tokens_seen - tokens_last) / elapsed
+            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+                      "mfu": tps * fpt / peak_total, "tokens_seen": train_state.tokens_seen,
+                      "epoch": loader.epoch, "peak_mem_gib": peak_memory_gib(device)}
+            if not math.isfinite(grad_norm):
+                record["skipped"] = True
+            log.write(record)
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mfu=f"{record['mfu']:.1%}")
+            t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
+
+        paused = time.perf_counter()
+        if val and cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
+            val_loss = validation_loss(model, val, device, mesh)
+            log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+            if rank == 0:
+                bar.write(f"[val] step {step}: val_loss {val_loss:.4f}")
+        if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
+            ckpt.save(step, s.app)
+        if stop.any_rank():
+            ckpt.save(step, s.app)
+            ckpt.wait()
+            if rank == 0:
+                bar.write(f"[train] SIGTERM: saved step {step} in {ckpt.root}; run the same command to resume")
+            break
+        t_last += time.perf_counter() - paused  # validation and saving are not training throughput
+    ckpt.close()
+    bar.close()
+    if rank == 0:
+        print(f"[train] done at step {train_state.step}; peak memory {peak_memory_gib(device):.2f} GiB on rank 0",
+              flush=True)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
+              check_layout: Callable[[Config, int], None] | None = None) -> None:
+    """Every check that needs no collective, in the order a user can fix them; raises a UserError.
+
+    check_layout(cfg, world_size): the TP plan's own layout checks (train_2d.py), run first.
+    With init_from_hf, data.tokenizer defaults to the folder's tokenizer.json.
+    """
+    if tp_plan is None and cfg.parallel.tp != 1:
+        raise SetupError(f"parallel.tp is {cfg.parallel.tp}: tensor parallelism runs with train_2d.py")
+    if check_layout is not None:
+        check_layout(cfg, world_size)
+    if cfg.init_from_hf:
+        try:
+            hf.check_args(cfg.init_from_hf, cfg.model)
+            cfg.data.tokenizer = cfg.data.tokenizer or hf.tokenizer_path(cfg.init_from_hf)
+        except hf.HFError as e:
+            raise SetupError(f"--init_from_hf: {e}") from None
+    validate(cfg, world_size)
+
+
+def run(cfg: Config, tp_plan: TPPlan | None = None) -> None:
+    """Train as configured (called under torchrun on every rank, after check_run)."""
+    lock = lock_run_dir(cfg.run_dir) if int(os.environ.get("RANK", 0)) == 0 else None
+    try:
+        rank, world_size, device = distributed.init_distributed(cfg.train.device)
+        train(build(cfg, rank, world_size, device, tp_plan))
+        distributed.finish_distributed()
+    finally:
+        distributed.abandon_distributed()
+        if lock is not None:
+            lock.close()
+
+
+def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
+         check_layout: Callable[[Config, int], None] | None = None, description: str = "") -> int:
+    """Entry point of train_fsdp.py and train_2d.py: parse, check, run; bad input exits 2 with one line.
+
+    tp_plan: the tensor-parallel plan (train_2d.py); check_layout(cfg, world_size): its
+    layout checks, run before anything is created. description: the --help text's head.
+    """
+    try:
+        args = sys.argv[1:] if argv is None else argv
+        if not any(a == "--config" or a.startswith("--config=") for a in args) and "--help" not in args \
+                and "-h" not in args:
+            raise SetupError("--config FILE.toml is required (the defaults alone are a 179M-parameter GPU run); "
+                             "start with --config configs/debug.toml")
+        cfg = parse_config(argv, description)
+        check_run(cfg, distributed.world_size(), tp_plan, check_layout)
+        run(cfg, tp_plan)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
