@@ -24,7 +24,7 @@ from model import PRESETS, ModelArgs
 from optim import OptimConfig
 from parallelize import ParallelConfig
 from sources import check_source
-from tokenizer import load_tokenizer
+from tokenizer import EOT, load_tokenizer
 
 
 @dataclasses.dataclass
@@ -53,6 +53,8 @@ class TrainConfig:
     """Validation uses up to this many global batches of held-out sequences."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite gradient norm: 'stop' the run (the last checkpoint stays as it was) or 'skip' that step's update."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the output projection + cross-entropy, recomputed in backward, so the full (tokens x vocab) logits never exist (0: off). Not applied with parallel.tp > 1, where the logits are already split over the vocabulary (loss_parallel)."""
 
     def __post_init__(self) -> None:
         if self.steps <= 0:
@@ -61,7 +63,7 @@ class TrainConfig:
             raise ConfigError(f"train.seed must be in 0..2**32-1, got {self.seed}")
         if self.log_interval <= 0:
             raise ConfigError(f"train.log_interval must be > 0, got {self.log_interval}")
-        for name in ("val_interval", "val_batches", "micro_batch_size"):
+        for name in ("val_interval", "val_batches", "micro_batch_size", "loss_chunk_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
 
@@ -100,13 +102,18 @@ def parse_config(argv: list[str] | None = None, description: str = "") -> Config
     return cli.parse_args(Config, argv, presets={"model": PRESETS}, description=description)
 
 
-def check_vocab(tokenizer_vocab: int, model_vocab: int, where: str) -> None:
-    """Raise SetupError if a tokenizer of tokenizer_vocab ids (named where) does not fit model.vocab_size."""
-    if tokenizer_vocab > model_vocab:
+def check_tokenizer(tok, where: str, model: ModelArgs) -> None:
+    """Raise SetupError if tokenizer tok (loaded from where) does not fit model.vocab_size, or, with
+    model.document_mask, its [EOT] id is not model.eot_id (documents would not be found)."""
+    if tok.get_vocab_size() > model.vocab_size:
         raise SetupError(
-            f"tokenizer '{where}' has {tokenizer_vocab} tokens but model.vocab_size is {model_vocab}; "
+            f"tokenizer '{where}' has {tok.get_vocab_size()} tokens but model.vocab_size is {model.vocab_size}; "
             f"raise model.vocab_size or use a smaller tokenizer (data.tokenizer_vocab_size)"
         )
+    eot = tok.token_to_id(EOT)
+    if model.document_mask and eot != model.eot_id:
+        raise SetupError(f"tokenizer '{where}' has {EOT} at id {eot} but model.eot_id is {model.eot_id}; "
+                         f"set --model.eot_id {eot} so document_mask finds the documents")
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -133,7 +140,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")
     check_source(d)
     if d.tokenizer:
-        check_vocab(load_tokenizer(d.tokenizer).get_vocab_size(), cfg.model.vocab_size, d.tokenizer)
+        check_tokenizer(load_tokenizer(d.tokenizer), d.tokenizer, cfg.model)
     elif d.tokenizer_vocab_size > cfg.model.vocab_size:
         raise SetupError(
             f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "

@@ -71,10 +71,11 @@ def rank_batches(corpus: PackedCorpus, windows: range, micro_batch_size: int, ra
 
 
 @torch.no_grad()
-def loss_and_count(model, batches, n_steps: int, device):
+def loss_and_count(model, batches, n_steps: int, device, loss_chunk_size: int = 0):
     """(sum of token losses, number of targets) over every rank's batches, as Python floats.
 
-    Uses training's loss (loss.token_loss_sum: fp32 cross-entropy). Runs n_steps
+    Uses training's loss (loss.token_loss_sum: fp32 cross-entropy, in chunks of loss_chunk_size
+    tokens when > 0). Runs n_steps
     forward passes on each rank: a rank out of batches repeats one and discards its loss,
     since FSDP gathers parameters collectively in every forward.
     """
@@ -83,7 +84,7 @@ def loss_and_count(model, batches, n_steps: int, device):
     spare = (torch.zeros(1, 1, dtype=torch.long),) * 2  # for a rank with no window at all
     for step in range(n_steps):
         inputs, labels = batches[min(step, len(batches) - 1)] if batches else spare
-        loss = token_loss_sum(model, inputs.to(device), labels.to(device))
+        loss = token_loss_sum(model, inputs.to(device), labels.to(device), loss_chunk_size)
         if step < len(batches):
             total[0] += scalar(loss).double()
             total[1] += labels.numel()
@@ -145,7 +146,7 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
         set_model_state_dict(model, state)
 
         batches, n_steps = rank_batches(corpus, windows, micro, rank, world)
-        loss_sum, count = loss_and_count(model, batches, n_steps, device)
+        loss_sum, count = loss_and_count(model, batches, n_steps, device, cfg.train.loss_chunk_size)
         distributed.finish_distributed()
     finally:
         distributed.abandon_distributed()

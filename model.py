@@ -1,5 +1,10 @@
 """A Llama-style decoder in plain PyTorch, free of distributed code.
 
+With ``document_mask`` a packed window holding several documents is computed as if each
+document were alone: attention stays inside a document and RoPE positions restart at each
+``[EOT]`` (which precedes every document, as a BOS would). On CUDA this runs FlexAttention
+with a block mask; elsewhere SDPA with a boolean block-causal mask.
+
 Module names follow Meta's Llama (``tok_embeddings``, ``layers.{i}.attention.wq``,
 ``feed_forward.w1``, ``attention_norm``, ``ffn_norm``, ``norm``, ``output``) so the tensor
 parallel plan in ``train_2d.py`` and the Hugging Face mapping in ``hf.py`` read naturally.
@@ -12,6 +17,7 @@ of the projections, so the same code runs whole or with column-sharded ``wq``/``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from typing import Callable
@@ -19,6 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
 @dataclasses.dataclass
@@ -43,6 +50,10 @@ class ModelArgs:
     """RMSNorm epsilon (Llama 1-3 use 1e-5)."""
     rope_theta: float = 10_000.0
     """RoPE base frequency (Llama 3 uses 500000)."""
+    document_mask: bool = False
+    """Attend only within the current document of a packed window and restart RoPE positions at each [EOT] (Llama 3's packing); off: plain causal attention over the whole window."""
+    eot_id: int = 2
+    """Token id of [EOT], the token that precedes every document (2 in tokenizers trained here); used by document_mask."""
 
     def __post_init__(self) -> None:
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
@@ -60,6 +71,8 @@ class ModelArgs:
         for name in ("norm_eps", "rope_theta"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
+        if not 0 <= self.eot_id < self.vocab_size:
+            raise ValueError(f"model.eot_id must be in 0..model.vocab_size-1 ({self.vocab_size - 1}), got {self.eot_id}")
 
     @property
     def head_dim(self) -> int:
@@ -95,10 +108,15 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (batch, seq, heads, head_dim) by position; computed in fp32, returned in x.dtype."""
+    """Rotate x (batch, seq, heads, head_dim) by position; computed in fp32, returned in x.dtype.
+
+    cos, sin: fp32 tables (positions, head_dim) whose first seq rows are positions 0..seq-1,
+    or per-token values (batch, seq, head_dim) (positions that restart at each document).
+    """
     seq_len = x.shape[1]
-    cos = cos[:seq_len].view(1, seq_len, 1, -1)
-    sin = sin[:seq_len].view(1, seq_len, 1, -1)
+    if cos.dim() == 2:
+        cos, sin = cos[:seq_len].unsqueeze(0), sin[:seq_len].unsqueeze(0)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -123,8 +141,43 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def document_positions(tokens: Tensor, eot_id: int) -> tuple[Tensor, Tensor]:
+    """(document ids, positions), each (batch, seq) int64, of packed windows tokens (batch, seq).
+
+    Each eot_id token starts a new document (it precedes every document in the stream); the
+    tokens before a window's first eot_id are the tail of a document that began earlier and
+    form document 0. Positions count from 0 at each document's first token.
+    """
+    is_start = tokens == eot_id
+    doc = is_start.long().cumsum(1)
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    start = torch.where(is_start, index, torch.zeros_like(index)).cummax(1).values
+    return doc, index - start
+
+
+def block_causal_mask(doc: Tensor) -> Tensor:
+    """SDPA's boolean mask (batch, 1, seq, seq): query i sees key j iff j <= i and both are in one document."""
+    seq = doc.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def block_mask(doc: Tensor) -> BlockMask:
+    """FlexAttention's BlockMask of the same rule as block_causal_mask, for doc (batch, seq) on CUDA."""
+    def mask_mod(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (q >= kv)
+
+    return create_block_mask(mask_mod, doc.shape[0], None, doc.shape[1], doc.shape[1], device=doc.device)
+
+
+@functools.cache
+def _flex_attention():
+    # Compiled once per process: eager FlexAttention materialises the scores and is slow.
+    return torch.compile(flex_attention, dynamic=False)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE."""
+    """Causal grouped-query attention with RoPE; optionally masked to documents."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -134,7 +187,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None) -> Tensor:
+        """x: (batch, seq, dim); cos/sin: see apply_rope; mask: None (causal), SDPA's boolean
+        (batch, 1, seq, seq) or a FlexAttention BlockMask. Returns (batch, seq, dim)."""
         bsz, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism wq/wk/wv hold only this rank's heads.
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
@@ -145,11 +200,14 @@ class Attention(nn.Module):
         # (bsz, heads, seq, head_dim). The CPU kernel shares K/V heads itself (enable_gqa, no copies);
         # elsewhere K/V are repeated so every SDPA kernel applies.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        gqa = n_rep > 1 and q.device.type == "cpu"
-        if n_rep > 1 and not gqa:
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if isinstance(mask, BlockMask):
+            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=n_rep > 1)
+        else:
+            gqa = n_rep > 1 and q.device.type == "cpu"
+            if n_rep > 1 and not gqa:
+                k = k.repeat_interleave(n_rep, dim=1)
+                v = v.repeat_interleave(n_rep, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -176,13 +234,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
-
-
-def _copy_full(param: Tensor, full: Tensor) -> None:
-    param.copy_(full)
 
 
 class Transformer(nn.Module):
@@ -201,20 +255,43 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights(seed=0)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, head: Callable[[nn.Module, Tensor], Tensor] | None = None) -> Tensor:
         """tokens: (batch, seq) int64 with seq <= max_seq_len. Returns fp32 logits (batch, seq, vocab).
 
-        Raises ValueError when the sequence is longer than the RoPE table.
+        head: applied as head(self.output, h) to the final norm's output h (batch, seq, dim)
+        instead of self.output(h).float(), and its result returned: e.g. a loss that runs the
+        output projection chunk by chunk. It runs inside forward, so wrappers that manage the
+        parameters around forward (FSDP) see it as part of it. Raises ValueError when the
+        sequence is longer than the RoPE table.
         """
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds model.max_seq_len {self.args.max_seq_len}"
             )
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        if self.args.document_mask:
+            cos, sin, mask = self._document_layout(tokens)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin, mask)
+        h = self.norm(h)
+        if head is not None:
+            return head(self.output, h)
         # fp32 logits: the loss must never be taken on bf16 logits.
-        return self.output(self.norm(h)).float()
+        return self.output(h).float()
+
+    def _document_layout(self, tokens: Tensor):
+        """Per-token RoPE tables (batch, seq, head_dim) and the attention mask of packed documents.
+
+        A batch without [EOT] is plain causal: the tables and the causal kernel of today (no
+        mask), so its logits are exactly those without document_mask. On CUDA the mask is a
+        FlexAttention BlockMask; elsewhere (FlexAttention has no CPU backward) SDPA's boolean mask.
+        """
+        if tokens.device.type != "cuda" and not bool((tokens == self.args.eot_id).any()):
+            return self.rope_cos, self.rope_sin, None
+        doc, pos = document_positions(tokens, self.args.eot_id)
+        mask = block_mask(doc) if tokens.device.type == "cuda" else block_causal_mask(doc)
+        return self.rope_cos[pos], self.rope_sin[pos], mask
 
     def init_std(self, name: str) -> float | None:
         """Initial std of a parameter by name; None for norm weights, which start at one.
@@ -229,7 +306,7 @@ class Transformer(nn.Module):
         return 0.02
 
     @torch.no_grad()
-    def init_weights(self, seed: int, copy_: Callable[[Tensor, Tensor], None] = _copy_full) -> None:
+    def init_weights(self, seed: int, copy_: Callable[[Tensor, Tensor], None] = Tensor.copy_) -> None:
         """Fill every parameter and buffer, deterministically from seed.
 
         Each parameter's full value is drawn from its own generator, seeded by (seed, name),

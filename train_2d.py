@@ -32,12 +32,13 @@ from errors import SetupError
 # tensor of shape (batch, seq / tp, dim)); the norms run on that shard and their weights
 # are replicated. Attention and the MLP need the whole sequence, so their input is
 # all-gathered; wo/w2 reduce-scatter their partial sums back to sequence shards. Attention's
-# cos/sin tables are plain tensors every rank holds whole (layout None).
+# cos/sin tables and its document mask are plain values every rank holds whole (layout None):
+# each TP rank gets the whole token batch and derives them itself.
 PLAN = {
     "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
     "layers.*.attention_norm": SequenceParallel(),
-    "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                             desired_input_layouts=(Replicate(), None, None)),
+    "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                             desired_input_layouts=(Replicate(), None, None, None)),
     "layers.*.attention.wq": ColwiseParallel(),
     "layers.*.attention.wk": ColwiseParallel(),
     "layers.*.attention.wv": ColwiseParallel(),

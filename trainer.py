@@ -22,34 +22,38 @@ import cli
 import distributed
 import hf
 from checkpoint import AppState, Checkpointer, TrainState, check_compatible, check_same_config, lock_run_dir
-from config import Config, check_vocab, parse_config, validate
+from config import Config, check_tokenizer, parse_config, validate
 from data import DataState, GlobalBatchLoader, PackedCorpus, val_batches
 from errors import SetupError, TrainingError, UserError
-from loss import loss_context, scalar, token_loss_sum
+from loss import has_tp, loss_context, scalar, token_loss_sum
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import Transformer, flops_per_token, num_params
 from optim import build_optimizer
 from parallelize import TPPlan, build_mesh, build_model, copy_sharded
 from prepare import prepare_on_all_ranks
+from tokenizer import load_tokenizer
 
 # ---------------------------------------------------------------- the step
 
 
-def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device, mesh: DeviceMesh) -> torch.Tensor:
+def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device, mesh: DeviceMesh,
+                     loss_chunk_size: int = 0) -> torch.Tensor:
     """Forward and backward over this rank's micro-batches of one step; gradients accumulate.
 
-    micro_batches: [(inputs, labels)], each (mb, seq_len) int64. Every micro-batch's loss sum
+    micro_batches: [(inputs, labels)], each (mb, seq_len) int64. loss_chunk_size: see
+    loss.token_loss_sum (ignored when mesh has "tp"). Every micro-batch's loss sum
     is divided by n_targets, the global count of target tokens of the step, and multiplied by
     dp_size because FSDP averages gradients over data-parallel ranks: the gradient is exactly
     that of the global mean token loss, however the batch is split. Returns this rank's
     summed token loss, a 0-dim fp32 tensor on device (no host sync).
     """
     loss_sum = torch.zeros((), device=device)
-    context = loss_context(mesh)
+    context, chunk = loss_context(mesh), 0 if has_tp(mesh) else loss_chunk_size
     for i, (inputs, labels) in enumerate(micro_batches):
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per step
         with context():
-            loss = token_loss_sum(model, inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+            loss = token_loss_sum(model, inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True),
+                                  chunk)
             (loss * (dp_size / n_targets)).backward()
         loss_sum += scalar(loss).detach()
     return loss_sum
@@ -78,13 +82,14 @@ def optimizer_step(model, optimizer, grad_clip: float, device, skip_nonfinite: b
 
 
 @torch.no_grad()
-def validation_loss(model, batches, device, mesh: DeviceMesh) -> float:
+def validation_loss(model, batches, device, mesh: DeviceMesh, loss_chunk_size: int = 0) -> float:
     """Mean token loss over every data-parallel rank's batches (each rank must get as many batches)."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
+    chunk = 0 if has_tp(mesh) else loss_chunk_size
     with loss_context(mesh)():
         for inputs, labels in batches:
-            total[0] += scalar(token_loss_sum(model, inputs.to(device), labels.to(device))).double()
+            total[0] += scalar(token_loss_sum(model, inputs.to(device), labels.to(device), chunk)).double()
             total[1] += labels.numel()
     model.train()
     dist.all_reduce(total, group=mesh["dp"].get_group())
@@ -133,7 +138,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
         meta = prepare_on_all_ranks(cfg.data, data_dir)
     except UserError as e:
         raise SetupError(str(e)) from None
-    check_vocab(meta["vocab_size"], cfg.model.vocab_size, meta["tokenizer"])
+    check_tokenizer(load_tokenizer(meta["tokenizer"]), meta["tokenizer"], cfg.model)
     corpus = PackedCorpus(data_dir, cfg.data)
     micro = cfg.train.micro_batch(dp)
     data_state = DataState()
@@ -170,6 +175,16 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
 # ---------------------------------------------------------------- the loop
 
 
+def loss_description(cfg: Config, mesh: DeviceMesh) -> str:
+    """How the loss is computed, for the start-up line (says when loss_chunk_size is not applied)."""
+    chunk = cfg.train.loss_chunk_size
+    if has_tp(mesh):
+        loss = "vocab-parallel" + (" (train.loss_chunk_size is not applied under tp)" if chunk else "")
+    else:
+        loss = f"in chunks of {chunk} tokens" if chunk else "on full logits"
+    return f"{'document-masked' if cfg.model.document_mask else 'causal'} attention, loss {loss}"
+
+
 def train(s: Session) -> None:
     """The training loop: steps, logging, validation, checkpoints, SIGTERM; from s.train_state.step on."""
     cfg, rank, device, dp, mesh = s.cfg, s.rank, s.device, s.dp, s.mesh
@@ -190,7 +205,7 @@ def train(s: Session) -> None:
         print(f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {device.type} | "
               f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
               f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
-              f"{s.corpus.n_val} val sequences | "
+              f"{s.corpus.n_val} val sequences | {loss_description(cfg, mesh)} | "
               + (f"resumed from {s.resumed_from} at step {train_state.step}" if s.resumed_from else
                  f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start"),
               flush=True)
@@ -200,7 +215,7 @@ def train(s: Session) -> None:
     t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
     while train_state.step < cfg.train.steps:
         lr = scheduler.get_last_lr()[0]
-        loss_sum = forward_backward(model, loader.next_step(), n_targets, dp, device, mesh)
+        loss_sum = forward_backward(model, loader.next_step(), n_targets, dp, device, mesh, cfg.train.loss_chunk_size)
         try:
             norm = optimizer_step(model, optimizer, cfg.optim.grad_clip, device, cfg.train.nonfinite == "skip")
         except NonFiniteError as e:
@@ -233,7 +248,7 @@ def train(s: Session) -> None:
 
         paused = time.perf_counter()
         if val and cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
-            val_loss = validation_loss(model, val, device, mesh)
+            val_loss = validation_loss(model, val, device, mesh, cfg.train.loss_chunk_size)
             log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
             if rank == 0:
                 bar.write(f"[val] step {step}: val_loss {val_loss:.4f}")

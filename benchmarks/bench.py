@@ -121,7 +121,8 @@ class OursStep:
         self.n_targets = t.global_batch_size * cfg.data.seq_len
 
     def forward_backward(self, micro_batches):
-        trainer.forward_backward(self.model, micro_batches, self.n_targets, self.dp, self.device, self.mesh)
+        trainer.forward_backward(self.model, micro_batches, self.n_targets, self.dp, self.device, self.mesh,
+                                 self.cfg.train.loss_chunk_size)
 
     def update(self):
         trainer.optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)

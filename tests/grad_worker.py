@@ -13,6 +13,8 @@ torch.save a dict:
     grads        [{name: Tensor}]        each step's full fp32 gradients, keyed by parameter name
     replicated   {name: float}           after the last step, for parameters replicated over
                                          "tp": the largest |difference| between TP ranks' copies
+    logits       Tensor (B, T, vocab)    with --logits_of FILE: the initial model's fp32 logits of
+                                         the token batch torch.load(FILE), gathered whole
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="file that rank 0 writes")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1: FSDP only)")
+    parser.add_argument("--logits_of", default="", help="a torch.save'd (B, T) int64 token batch to run first")
     args, overrides = parser.parse_known_args()
     cfg = parse_config([*overrides, "--parallel.tp", str(args.tp)])
     plan = train_2d.PLAN if args.tp > 1 else None
@@ -59,8 +62,13 @@ def main() -> None:
     n_targets = cfg.train.global_batch_size * cfg.data.seq_len
     result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {},
               "init": {name: p.full_tensor().detach().cpu().clone() for name, p in s.model.named_parameters()}}
+    if args.logits_of:
+        with torch.no_grad():
+            logits = s.model(torch.load(args.logits_of).to(device))
+        result["logits"] = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).cpu()
     for _ in range(cfg.train.steps):
-        loss_sum = trainer.forward_backward(s.model, s.loader.next_step(), n_targets, s.dp, device, s.mesh)
+        loss_sum = trainer.forward_backward(s.model, s.loader.next_step(), n_targets, s.dp, device, s.mesh,
+                                            cfg.train.loss_chunk_size)
         dist.all_reduce(loss_sum, group=s.mesh["dp"].get_group())
         result["losses"].append(loss_sum.item() / n_targets)
         # clone: on one rank full_tensor() may share storage with the gradient, which clipping scales in place

@@ -12,7 +12,7 @@ import distributed
 import train_2d
 from config import parse_config
 from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir, torchrun
-from model import PRESETS
+from model import PRESETS, ModelArgs, Transformer
 
 STEPS = 3
 FAST = ["--checkpoint.interval", "1000", "--train.val_interval", "0"]
@@ -41,18 +41,67 @@ def worker(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def packed_tokens(tmp_path_factory):
+    """(path of a torch.save'd (2, 128) token batch, [(row, start, end)] of its documents): packed windows
+    of the debug model's vocabulary, [EOT] = 2 before each document, row 0 starting inside one."""
+    gen = torch.Generator().manual_seed(0)
+    rows, spans = [], []
+    for row, (head, lengths) in enumerate([(10, [40, 30, 48]), (0, [50, 20, 58])]):
+        parts, start = [torch.randint(3, 4096, (head,), generator=gen)], 0
+        if head:
+            spans.append((row, 0, head))
+            start = head
+        for n in lengths:
+            parts += [torch.tensor([2]), torch.randint(3, 4096, (n - 1,), generator=gen)]
+            spans.append((row, start, start + n))
+            start += n
+        rows.append(torch.cat(parts))
+    path = tmp_path_factory.mktemp("packed") / "tokens.pt"
+    torch.save(torch.stack(rows), path)
+    return str(path), spans
+
+
+@pytest.mark.parametrize("nproc, tp", [(1, 1), (2, 1), (2, 2)], ids=["ws1", "fsdp2", "dp1xtp2"])
+@pytest.mark.slow
+def test_document_masked_logits_equal_each_document_alone(worker, packed_tokens, nproc, tp):
+    path, spans = packed_tokens
+    got = worker(nproc, tp, *DOCMASK, "--logits_of", path)["logits"]
+    # The reference: the same initial weights in one process, each document alone from position 0.
+    model = Transformer(ModelArgs(**PRESETS["debug"], document_mask=True))
+    model.init_weights(seed=0)
+    tokens = torch.load(path)
+    with torch.no_grad():
+        for row, a, b in spans:
+            alone = model(tokens[row:row + 1, a:b])[0]
+            assert (got[row, a:b] - alone).abs().max().item() <= 1e-5, (row, a, b)
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("nproc, tp, overrides", [
-    (2, 1, ()),  # plain FSDP on 2 ranks: same initial weights, losses and gradients as 1 process
-    (2, 2, ("--train.micro_batch_size", "4")),  # and 4 accumulated micro-batches against one batch of 16
-    (4, 2, ()),
-], ids=["fsdp2", "dp1xtp2_accumulating", "dp2xtp2"])
+CHUNKED = ("--train.loss_chunk_size", "100")  # 16 x 128 tokens a step: 21 chunks, the last one short
+DOCMASK = ("--model.document_mask", "true")
+
+
+@pytest.mark.parametrize("nproc, tp, overrides, reference", [
+    (2, 1, (), ()),  # plain FSDP on 2 ranks: same initial weights, losses and gradients as 1 process
+    (2, 2, ("--train.micro_batch_size", "4"), ()),  # and 4 accumulated micro-batches against one batch of 16
+    (4, 2, (), ()),
+    # The chunked loss against the full-logits loss of one process, with accumulation; under TP
+    # loss_parallel is used instead (the setting must change nothing there).
+    (1, 1, (*CHUNKED, "--train.micro_batch_size", "8"), ()),
+    (2, 1, (*CHUNKED, "--train.micro_batch_size", "4"), ()),
+    (2, 2, (*CHUNKED, "--train.micro_batch_size", "4"), ()),
+    # Document masking: every layout trains as one process with the same mask.
+    (2, 1, DOCMASK, DOCMASK),
+    (2, 2, DOCMASK, DOCMASK),
+], ids=["fsdp2", "dp1xtp2_accumulating", "dp2xtp2", "chunked_ws1_accumulating", "chunked_fsdp2_accumulating",
+        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2"])
 @pytest.mark.slow
-def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, overrides):
-    ref, got = worker(1, 1), worker(nproc, tp, *overrides)
+def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, overrides, reference):
+    ref, got = worker(1, 1, *reference), worker(nproc, tp, *overrides)
     # Initial weights do not depend on world size or layout: bit for bit.
     assert got["init"].keys() == ref["init"].keys()
     assert all(torch.equal(got["init"][k], v) for k, v in ref["init"].items())
