@@ -2,7 +2,7 @@
 
     python prepare.py --config FILE.toml --run_dir DIR [--data.field value ...]
     torchrun --standalone --nproc_per_node=N prepare.py --config FILE.toml --run_dir DIR   (N processes)
-    python prepare.py tokenizer --config FILE.toml --out tokenizer.json [--data.field value ...]
+    python prepare.py tokenizer --config FILE.toml --out runs/tokenizer.json [--data.field value ...]
 
 The first writes what a training run would write into DIR/data (tokenizer.json, tokens.bin,
 meta.json), so a long tokenization need not happen inside the process group's timeout; the
@@ -244,7 +244,7 @@ def prepare_on_all_ranks(cfg: DataConfig, out_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Command line (see the module docstring); exit status 2 with one line on bad input."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
+    if "-h" in argv or "--help" in argv:
         print(__doc__)
         return 0
     command = "prepare"
@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "tokenizer":
             tok = train_tokenizer(iter_documents(cfg.data), cfg.data.tokenizer_vocab_size,
                                   cfg.data.tokenizer_train_chars)
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             tok.save(out)
             print(f"wrote {out}: {tok.get_vocab_size()} tokens")
             return 0
