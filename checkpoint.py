@@ -168,21 +168,29 @@ def check_compatible(path: str, model_shapes: dict[str, torch.Size]) -> None:
         )
 
 
+def saved_config(path: str) -> dict:
+    """The config a checkpoint was saved with (its config.toml as a dict of sections; {} if it has none).
+
+    Raises CheckpointError naming the file if it cannot be read.
+    """
+    saved_file = os.path.join(path, "config.toml")
+    if not os.path.isfile(saved_file):
+        return {}
+    try:
+        with open(saved_file, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise CheckpointError(f"checkpoint '{path}': cannot read '{saved_file}': {e}") from e
+
+
 def check_same_config(path: str, section: str, current: dict) -> None:
     """Compare a checkpoint's saved [section] (its config.toml) with the current values.
 
     Catches what shapes cannot (e.g. model.rope_theta, or n_heads vs head_dim at equal
-    widths). Checkpoints without a config.toml are not checked. Raises CheckpointError
-    naming each differing field with both values.
+    widths) and names the fields. Checkpoints without a config.toml, and fields they lack,
+    are not checked. Raises CheckpointError naming each differing field with both values.
     """
-    saved_file = os.path.join(path, "config.toml")
-    if not os.path.isfile(saved_file):
-        return
-    try:
-        with open(saved_file, "rb") as f:
-            saved = tomllib.load(f).get(section, {})
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise CheckpointError(f"checkpoint '{path}': cannot read '{saved_file}': {e}") from e
+    saved = saved_config(path).get(section, {})
     diffs = [f"{section}.{k}: checkpoint {saved[k]!r}, now {v!r}" for k, v in current.items()
              if k in saved and saved[k] != v]
     if diffs:

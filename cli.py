@@ -32,8 +32,22 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line 'error: ...' on stderr and exits with status 2."""
 
     def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            flags = [w for w in message.split(": ", 1)[1].split() if w.startswith("-")]
+            near = [difflib.get_close_matches(f.split("=")[0], self._all_flags(), n=1) for f in flags]
+            hints = [f"'{f}': did you mean '{n[0]}'?" for f, n in zip(flags, near) if n]
+            message += "; " + "; ".join(hints) if hints else ""
         print(f"error: {message}; see --help", file=sys.stderr, flush=True)
         raise SystemExit(2)
+
+    def _all_flags(self) -> list[str]:
+        """Every option string of this parser and its subcommands' parsers."""
+        flags = list(self._option_string_actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    flags += list(sub._option_string_actions)
+        return flags
 
 
 def number(kind: type, ok, rule: str):
@@ -191,7 +205,7 @@ def parse_args(root_cls, argv: list[str] | None, presets=None, description: str 
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(help_text(root_cls, description))
+        print(help_text(root_cls, description, presets))
         raise SystemExit(0)
     sections: dict[str, Any] = {}
     pairs = []
@@ -246,8 +260,8 @@ def _type_name(typ) -> str:
     return getattr(typ, "__name__", str(typ))
 
 
-def help_text(root_cls, description: str = "") -> str:
-    """Every field of root_cls as '--section.field TYPE (default X): doc'."""
+def help_text(root_cls, description: str = "", presets: dict[str, dict[str, dict]] | None = None) -> str:
+    """Every field of root_cls as '--section.field TYPE (default X): doc', and each section's presets."""
     lines = [description, "", "usage: --config FILE.toml [--section.field VALUE ...]", ""]
     hints = _hints(root_cls)
     top_docs = field_docs(root_cls)
@@ -257,6 +271,9 @@ def help_text(root_cls, description: str = "") -> str:
             lines.append(f"  --{f.name} {_type_name(cls)} (default {f.default!r}): {top_docs.get(f.name, '')}")
             continue
         lines.append(f"[{f.name}] {top_docs.get(f.name, '')}")
+        if (presets or {}).get(f.name):
+            lines.append(f"  --{f.name}.preset {'|'.join(presets[f.name])}: start from that preset's values; the "
+                         f"section's other fields override them")
         docs = field_docs(cls)
         for sub in dataclasses.fields(cls):
             typ = _hints(cls)[sub.name]

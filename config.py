@@ -20,9 +20,11 @@ from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, rea
 from data import DataConfig
 from distributed import resolve_device
 from errors import ConfigError, SetupError
+from metrics import MetricsConfig
 from model import PRESETS, ModelArgs
 from optim import OptimConfig
 from parallelize import ParallelConfig
+from profiling import parse_steps
 from sources import check_source
 from tokenizer import EOT, load_tokenizer
 
@@ -37,8 +39,8 @@ class TrainConfig:
     """Sequences per forward pass on one rank (0: global_batch_size / data-parallel size, no accumulation)."""
     seed: int = 0
     """Seed of the initial weights and of the data order."""
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Parameter dtype in forward/backward: 'bfloat16' (mixed precision, fp32 master weights and reductions) or 'float32'."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype in forward/backward: 'bfloat16' (mixed precision, fp32 master weights and reductions), 'float32', or 'auto': bfloat16 on CUDA, float32 on CPU (most CPUs have no fast bf16 matmul)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """'auto' (CUDA when present, else CPU), 'cuda' or 'cpu'."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
@@ -53,6 +55,8 @@ class TrainConfig:
     """Validation uses up to this many global batches of held-out sequences."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite gradient norm: 'stop' the run (the last checkpoint stays as it was) or 'skip' that step's update."""
+    profile_steps: str = ""
+    """Profile these 1-based steps on rank 0, e.g. '10-12': a Chrome/Perfetto trace (and on CUDA a memory snapshot) in RUN_DIR/profile/ (empty: off)."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the output projection + cross-entropy, recomputed in backward, so the full (tokens x vocab) logits never exist (0: off). Not applied with parallel.tp > 1, where the logits are already split over the vocabulary (loss_parallel)."""
 
@@ -66,6 +70,7 @@ class TrainConfig:
         for name in ("val_interval", "val_batches", "micro_batch_size", "loss_chunk_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        parse_steps(self.profile_steps)
 
     def micro_batch(self, dp: int) -> int:
         """Sequences per forward pass with dp data-parallel ranks: micro_batch_size, or the whole per-rank share."""
@@ -88,6 +93,8 @@ class Config:
     """Sharding options."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpoint interval, retention, async saving, explicit resume path."""
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    """Where metrics go besides metrics.jsonl."""
     init_from_hf: str = ""
     """Hugging Face Llama folder whose weights replace the random init when the run has no checkpoint yet (continued pretraining); [model] must match its config.json, and data.tokenizer defaults to its tokenizer.json."""
 
@@ -95,6 +102,13 @@ class Config:
         if not 0 < self.data.seq_len <= self.model.max_seq_len:
             raise ConfigError(f"data.seq_len ({self.data.seq_len}) must be in 1..model.max_seq_len "
                               f"({self.model.max_seq_len}), the RoPE table length")
+
+
+def compute_dtype(train: TrainConfig, device) -> str:
+    """train.dtype with 'auto' resolved for device (a torch.device): 'bfloat16' on CUDA, 'float32' elsewhere."""
+    if train.dtype != "auto":
+        return train.dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 def parse_config(argv: list[str] | None = None, description: str = "") -> Config:
@@ -129,12 +143,13 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SetupError(f"world size {world_size} is not divisible by parallel.tp ({tp}); launch a multiple of "
                          f"{tp} processes or change parallel.tp")
     dp = world_size // tp
-    micro = t.micro_batch(dp)
-    if t.global_batch_size <= 0 or t.global_batch_size % dp or micro <= 0 or t.global_batch_size % (dp * micro):
-        raise SetupError(
-            f"train.global_batch_size ({t.global_batch_size}) must be a positive multiple of data-parallel size "
-            f"({dp}) x train.micro_batch_size ({micro}); change one of them"
-        )
+    g, micro = t.global_batch_size, t.micro_batch(dp)
+    if not t.micro_batch_size and (g <= 0 or g % dp):  # the user set only the global batch
+        raise SetupError(f"train.global_batch_size ({g}) must be a positive multiple of data-parallel size ({dp}), "
+                         f"so that every rank takes an equal share; change it or the number of processes")
+    if g <= 0 or g % (dp * micro):
+        raise SetupError(f"train.global_batch_size ({g}) must be a positive multiple of data-parallel size ({dp}) "
+                         f"x train.micro_batch_size ({micro}) = {dp * micro}; change one of them")
     device = resolve_device(t.device)
     if cfg.parallel.cpu_offload and device.type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")

@@ -10,6 +10,7 @@ import datetime
 import os
 import signal
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -119,20 +120,45 @@ def long_timeout_group():
 
 
 class StopFlag:
-    """SIGTERM (preemption) sets a flag; ranks agree on it once per step, so all stop together."""
+    """SIGTERM (preemption) or SIGINT (Ctrl-C) asks the run to stop after the current step.
+
+    Ranks agree on it once per step, so all stop together. A second SIGINT more than
+    REPEAT_S after the first aborts at once (KeyboardInterrupt), for a run that must not wait
+    for its step; closer ones are the same Ctrl-C, which torchrun's agent forwards to its
+    workers again right after the terminal delivered it.
+    """
+
+    REPEAT_S = 1.0
 
     def __init__(self):
-        self.local = False
+        self.signum, self._first_sigint = 0, None
         signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
-        self.local = True
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_sigint is not None and now - self._first_sigint > self.REPEAT_S:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            self._first_sigint = self._first_sigint or now
+        self.signum = self.signum or signum
 
-    def any_rank(self) -> bool:
-        """True on every rank if any rank got SIGTERM (collective, a CPU all-reduce: never a GPU sync)."""
-        flag = torch.tensor([1.0 if self.local else 0.0])
+    def any_rank(self) -> int:
+        """The signal any rank got (the largest number), or 0 (collective: a CPU all-reduce, never a GPU sync)."""
+        flag = torch.tensor([float(self.signum)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (x86 avx512_bf16 or amx_bf16, Arm bf16); False if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def grad_norm_(params, max_norm: float, device: torch.device) -> torch.Tensor:

@@ -7,6 +7,11 @@ Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
+
 
 class UserError(Exception):
     """Bad input found by the program; the message names the field or file and the fix."""
@@ -22,6 +27,23 @@ class SetupError(UserError):
 
 class TrainingError(UserError):
     """The run cannot go on (e.g. a non-finite gradient); the message says at which step and why."""
+
+
+def report(e: UserError) -> None:
+    """Tell the user about e once: 'error: <message>' on stderr from rank 0 (or a lone process).
+
+    Bad input found before the process group exists is found alike on every rank, and errors
+    found later reach every rank as the same message (distributed.on_rank0, DCP's gathered
+    failures), so rank 0 speaks for all. Under torchrun every rank also writes the message
+    to its elastic error file (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic's format),
+    so torchrun's failure summary shows it, including for a rank that alone failed.
+    """
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            json.dump({"message": f"error: {e}", "timestamp": int(time.time())}, f)
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:

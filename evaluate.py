@@ -35,7 +35,7 @@ from checkpoint import read_model_weights
 from cli import ArgumentParser, number
 from config import load_run, parse_config
 from data import DataError, PackedCorpus
-from errors import SetupError, UserError
+from errors import SetupError, UserError, report
 from loss import scalar, token_loss_sum
 from parallelize import build_mesh, build_model
 from prepare import prepare
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate_run(a.run_dir, a.checkpoint, a.split, a.max_sequences, a.micro_batch_size, overrides)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report(e)
         return 2
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(result), flush=True)

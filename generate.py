@@ -23,7 +23,7 @@ import hf
 from checkpoint import read_model_weights
 from cli import ArgumentParser, number
 from config import load_run
-from errors import UserError
+from errors import UserError, report
 from model import Attention, Transformer, apply_rope
 from tokenizer import EOT, load_tokenizer
 
@@ -235,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- sample {i} (seed {a.seed + i})")
             # Decode prompt and continuation together: a character may span both (byte-level BPE).
             print(tok.decode(prompt + new, skip_special_tokens=True), flush=True)
-    except (UserError, ValueError) as e:  # ValueError: a prompt longer than the model takes
+    except UserError as e:
+        report(e)
+        return 2
+    except ValueError as e:  # a prompt longer than the model takes
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

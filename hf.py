@@ -35,7 +35,7 @@ from torch import Tensor
 from checkpoint import read_model_weights
 from cli import ArgumentParser
 from config import load_run
-from errors import UserError, one_line
+from errors import UserError, one_line, report
 from model import ModelArgs, Transformer
 from tokenizer import EOT, load_tokenizer
 
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = export_checkpoint(a.run_dir, a.out, a.checkpoint, getattr(torch, a.dtype), parse_size(a.max_shard_size))
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        report(err)
         return 2
     print(f"exported {path} -> {a.out}")
     return 0

@@ -1,12 +1,21 @@
-"""Throughput, MFU, memory and the metrics.jsonl log of a run."""
+"""Throughput, MFU, memory, and the run's metrics: metrics.jsonl and, optionally, TensorBoard."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
 import time
 
 import torch
+
+from errors import ConfigError
+
+
+@dataclasses.dataclass
+class MetricsConfig:
+    tensorboard: bool = False
+    """Also write every metric to RUN_DIR/tensorboard/ (torch.utils.tensorboard; needs the tensorboard package: pip install tensorboard)."""
 
 # Dense bf16 peak per device, TFLOP/s, from the vendors' data sheets (SXM, without sparsity).
 GPU_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
@@ -51,14 +60,60 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per record to <run_dir>/metrics.jsonl (rank 0 only writes)."""
+    """One JSON object per record in <run_dir>/metrics.jsonl, and the same scalars in TensorBoard (rank 0 writes).
 
-    def __init__(self, run_dir: str, enabled: bool):
+    resume_step: the step the run continues from. Records of later steps, left by a run
+    that went on past its last checkpoint, are dropped first (atomically), so the file
+    holds one train record per logged step after any number of resumes; TensorBoard's
+    events of those steps are purged the same way (purge_step). Raises ConfigError when
+    tensorboard is asked for but the package is missing.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0, tensorboard: bool = False):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.enabled = enabled
+        self.tb = None
+        if not enabled:
+            return
+        self._drop_after(resume_step)
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ConfigError("metrics.tensorboard needs the tensorboard package: pip install tensorboard "
+                                  "(or the project's [tensorboard] extra), or set it to false") from e
+            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=resume_step + 1)
+
+    def _drop_after(self, step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            lines = [line for line in f if line.strip()]
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line.rstrip("\n") + "\n")
+            except ValueError:  # a line cut by a crash mid-write: the run is resuming from before it
+                pass
+        if kept != lines:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
+        """Append record (with an int "step") to metrics.jsonl; its numeric values to TensorBoard at that step."""
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(key, value, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
@@ -29,7 +30,7 @@ import torch.distributed as dist
 import distributed
 from config import parse_config
 from data import DataConfig, DataError
-from errors import ConfigError, UserError
+from errors import ConfigError, UserError, report
 from sources import check_source, iter_documents, source_units
 from tokenizer import EOT, load_tokenizer, train_tokenizer
 
@@ -50,24 +51,54 @@ DOCS_PER_UNIT = 256
 """Documents per work unit when max_documents bounds the source (the first N documents in order)."""
 
 
-def _rank_units(cfg: DataConfig, rank: int, world: int) -> Iterator[tuple[int, Iterator[str]]]:
-    """Yield (unit index, documents) for the units rank tokenizes: unit u goes to rank u % world.
+def _rank_units(cfg: DataConfig, rank: int, world: int) -> tuple[int, Iterator[tuple[int, Iterator[str]]]]:
+    """(number of units of the source, an iterator of (unit index, documents) over those rank tokenizes).
 
-    With max_documents the units are blocks of DOCS_PER_UNIT documents of the first N; every
+    Unit u goes to rank u % world. With max_documents the units are blocks of DOCS_PER_UNIT
+    documents of the first N (their number an upper bound: the source may hold fewer); every
     rank reads those N (a bounded read) and keeps its blocks. Otherwise the units are the
     source's own (source_units) and a rank reads only its own.
     """
     if not cfg.max_documents:
         units = source_units(cfg)
-        for u in range(rank, len(units), world):
-            yield u, units[u]()
-        return
+        return len(units), ((u, units[u]()) for u in range(rank, len(units), world))
+    return -(-cfg.max_documents // DOCS_PER_UNIT), _document_blocks(cfg, rank, world)
+
+
+def _document_blocks(cfg: DataConfig, rank: int, world: int) -> Iterator[tuple[int, Iterator[str]]]:
     for u, block in itertools.groupby(enumerate(iter_documents(cfg)), key=lambda item: item[0] // DOCS_PER_UNIT):
         if u % world == rank:
             yield u, (text for _, text in block)
         else:
             for _ in block:  # groupby needs the block consumed before it moves on
                 pass
+
+
+class _ProgressLines:
+    """Rank 0's progress while tokenizing: one line at most every INTERVAL_S seconds, and one at the end.
+
+    Rank 0 sees only its own share; the ranks share the units evenly, so its ETA is the run's.
+    """
+
+    INTERVAL_S = 10.0
+
+    def __init__(self, enabled: bool, n_units: int, rank: int, world: int):
+        self.enabled, self.world = enabled, world
+        self.mine = len(range(rank, n_units, world))
+        self.units = self.docs = self.tokens = 0
+        self.t0 = self.last = time.perf_counter()
+        if enabled:
+            print(f"[data] tokenizing {n_units} work unit(s) on {world} rank(s)", flush=True)
+
+    def unit_done(self, n_tokens: int, n_docs: int) -> None:
+        self.units, self.docs, self.tokens = self.units + 1, self.docs + n_docs, self.tokens + n_tokens
+        now = time.perf_counter()
+        if self.enabled and (now - self.last >= self.INTERVAL_S or self.units == self.mine):
+            self.last, elapsed = now, now - self.t0
+            eta = elapsed / self.units * max(0, self.mine - self.units)
+            print(f"[data] rank 0: {self.units}/{self.mine} units, {self.docs:,} documents, {self.tokens:,} tokens, "
+                  f"{self.tokens / max(elapsed, 1e-9):,.0f} tokens/s, {'ETA ' + f'{eta:.0f} s' if eta else 'done'}",
+                  flush=True)
 
 
 def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, batch: int = 256) -> tuple[int, int]:
@@ -156,10 +187,13 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
             raise DataError(f"rank {rank} cannot see '{tmp}', which rank 0 wrote: the run directory must be on "
                             f"a filesystem that every node shares")
         tokenizer = load_tokenizer(os.path.join(tmp, "tokenizer.json"))
+        n_units, units = _rank_units(cfg, rank, world)
+        progress = _ProgressLines(rank == 0, n_units, rank, world)
         counts = []
-        for u, texts in _rank_units(cfg, rank, world):
+        for u, texts in units:
             with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
                 counts.append((u, *tokenize_documents(texts, tokenizer, out)))
+            progress.unit_done(*counts[-1][1:])
         return counts
 
     counts = sorted(c for rank_counts in agree(tokenize_mine) for c in rank_counts)
@@ -200,6 +234,8 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict | None:
     if cfg.tokenizer:
         tokenizer = load_tokenizer(cfg.tokenizer)
     else:
+        print(f"[data] training a byte-level BPE tokenizer of {cfg.tokenizer_vocab_size} tokens on up to "
+              f"{cfg.tokenizer_train_chars:,} characters of '{cfg.dataset}'", flush=True)
         tokenizer = train_tokenizer(iter_documents(cfg), cfg.tokenizer_vocab_size, cfg.tokenizer_train_chars)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     return None
@@ -281,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", 0)) == 0:
             print(json.dumps({k: v for k, v in meta.items() if k != "config"}))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report(e)
         return 2
     return 0
 

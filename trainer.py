@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 from typing import Callable
@@ -16,21 +17,30 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from tqdm import tqdm
 
 import cli
 import distributed
 import hf
-from checkpoint import AppState, Checkpointer, TrainState, check_compatible, check_same_config, lock_run_dir
-from config import Config, check_tokenizer, parse_config, validate
+from checkpoint import (
+    AppState,
+    Checkpointer,
+    TrainState,
+    check_compatible,
+    check_same_config,
+    lock_run_dir,
+    saved_config,
+)
+from config import Config, check_tokenizer, compute_dtype, parse_config, validate
 from data import DataState, GlobalBatchLoader, PackedCorpus, val_batches
-from errors import SetupError, TrainingError, UserError
+from errors import SetupError, TrainingError, UserError, report
 from loss import has_tp, loss_context, scalar, token_loss_sum
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import Transformer, flops_per_token, num_params
 from optim import build_optimizer
 from parallelize import TPPlan, build_mesh, build_model, copy_sharded
 from prepare import prepare_on_all_ranks
+from profiling import StepProfiler, parse_steps
+from progress import Progress
 from tokenizer import load_tokenizer
 
 # ---------------------------------------------------------------- the step
@@ -119,6 +129,8 @@ class Session:
     app: AppState
     meta: dict
     resumed_from: str | None
+    resume_note: str = ""
+    """What changed since the checkpoint that the run carries over (for the start-up line)."""
 
 
 def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan: TPPlan | None = None,
@@ -157,19 +169,27 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     def find_resume():
         ckpt.clean_partial()
         path = ckpt.resume_path()
-        if path is not None:
-            with torch.device("meta"):
-                check_compatible(path, {k: v.shape for k, v in Transformer(cfg.model).state_dict().items()})
-            check_same_config(path, "model", dataclasses.asdict(cfg.model))
-        return path
+        if path is None:
+            return None, ""
+        # Fields first: they name what differs, where shapes could only list tensors.
+        check_same_config(path, "model", dataclasses.asdict(cfg.model))
+        # The data cursor counts windows of seq_len among the train windows: another length or
+        # split would point it elsewhere in the corpus.
+        check_same_config(path, "data", {"seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction})
+        with torch.device("meta"):
+            check_compatible(path, {k: v.shape for k, v in Transformer(cfg.model).state_dict().items()})
+        batch = saved_config(path).get("train", {}).get("global_batch_size", cfg.train.global_batch_size)
+        note = "" if batch == cfg.train.global_batch_size else \
+            f"train.global_batch_size {batch} -> {cfg.train.global_batch_size} (the data position is kept, in samples)"
+        return path, note
 
-    path = distributed.on_rank0(find_resume, rank) if resume else None
+    path, note = distributed.on_rank0(find_resume, rank) if resume else (None, "")
     if path is not None:
         ckpt.load(path, app)
     elif cfg.init_from_hf:  # every rank reads the folder and keeps its own shards: no communication
         hf.load_hf_into(model, cfg.init_from_hf, copy_=copy_sharded)
     return Session(cfg, rank, device, mesh, dp, model, optimizer, scheduler, corpus, loader, micro,
-                   train_state, ckpt, app, meta, path)
+                   train_state, ckpt, app, meta, path, note)
 
 
 # ---------------------------------------------------------------- the loop
@@ -185,8 +205,24 @@ def loss_description(cfg: Config, mesh: DeviceMesh) -> str:
     return f"{'document-masked' if cfg.model.document_mask else 'causal'} attention, loss {loss}"
 
 
-def train(s: Session) -> None:
-    """The training loop: steps, logging, validation, checkpoints, SIGTERM; from s.train_state.step on."""
+def start_line(s: Session, fpt: float) -> str:
+    """The one line a run prints when it starts: layout, model, corpus, attention and loss, where it starts from."""
+    cfg, mesh = s.cfg, s.mesh
+    start = (f"resumed from {s.resumed_from} at step {s.train_state.step}" if s.resumed_from else
+             f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start")
+    return (f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {s.device.type} {cfg.train.dtype} | "
+            f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
+            f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
+            f"{s.corpus.n_val} val sequences | {loss_description(cfg, mesh)} | {start}"
+            + (f" | {s.resume_note}" if s.resume_note else ""))
+
+
+def train(s: Session) -> int:
+    """The training loop: steps, logging, validation, checkpoints, profiles; from s.train_state.step on.
+
+    Returns 0 when the run reached train.steps, else the number of the signal that stopped it
+    (SIGTERM or SIGINT: every rank finished the step and the checkpoint of that step is saved).
+    """
     cfg, rank, device, dp, mesh = s.cfg, s.rank, s.device, s.dp, s.mesh
     model, optimizer, scheduler, loader, train_state, ckpt = (s.model, s.optimizer, s.scheduler, s.loader,
                                                               s.train_state, s.ckpt)
@@ -198,22 +234,19 @@ def train(s: Session) -> None:
     peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
     dist.all_reduce(peak)  # the run's peak is the sum of its ranks' peaks
     peak_total = peak.item()
-    log = MetricsLog(cfg.run_dir, rank == 0)
+    log = MetricsLog(cfg.run_dir, rank == 0, train_state.step, cfg.metrics.tensorboard)
     val = val_batches(s.corpus, cfg.train.val_batches * cfg.train.global_batch_size, s.micro_batch_size,
                       mesh["dp"].get_local_rank(), dp)
     if rank == 0:
-        print(f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {device.type} | "
-              f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
-              f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
-              f"{s.corpus.n_val} val sequences | {loss_description(cfg, mesh)} | "
-              + (f"resumed from {s.resumed_from} at step {train_state.step}" if s.resumed_from else
-                 f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start"),
-              flush=True)
+        print(start_line(s, fpt), flush=True)
 
     stop = distributed.StopFlag()
-    bar = tqdm(total=cfg.train.steps, initial=train_state.step, disable=rank != 0, dynamic_ncols=True)
+    progress = Progress(cfg.train.steps, train_state.step, rank == 0)
+    profiler = StepProfiler(parse_steps(cfg.train.profile_steps), cfg.run_dir, device, rank == 0)
+    stopped_by = 0
     t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
     while train_state.step < cfg.train.steps:
+        profiler.before_step(train_state.step + 1)
         lr = scheduler.get_last_lr()[0]
         loss_sum = forward_backward(model, loader.next_step(), n_targets, dp, device, mesh, cfg.train.loss_chunk_size)
         try:
@@ -228,44 +261,51 @@ def train(s: Session) -> None:
         train_state.step += 1
         train_state.tokens_seen += n_targets
         step = train_state.step
-        bar.update(1)
+        progress.step()
         ckpt.poll()
+        trace = profiler.after_step(step)
+        if trace:
+            progress.write(f"[profile] steps {cfg.train.profile_steps}: {trace}")
 
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
             dist.all_reduce(loss_sum, group=mesh["dp"].get_group())
-            loss = loss_sum.item() / n_targets
             grad_norm = norm.item()
-            elapsed = time.perf_counter() - t_last
-            tps = (train_state.tokens_seen - tokens_last) / elapsed
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
-                      "mfu": tps * fpt / peak_total, "tokens_seen": train_state.tokens_seen,
+            tps = (train_state.tokens_seen - tokens_last) / (time.perf_counter() - t_last)
+            record = {"step": step, "loss": loss_sum.item() / n_targets, "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_sec": tps, "mfu": tps * fpt / peak_total, "tokens_seen": train_state.tokens_seen,
                       "epoch": loader.epoch, "peak_mem_gib": peak_memory_gib(device)}
             if not math.isfinite(grad_norm):
                 record["skipped"] = True
             log.write(record)
-            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}", mfu=f"{record['mfu']:.1%}")
+            progress.log(record)
             t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
 
         paused = time.perf_counter()
         if val and cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
             val_loss = validation_loss(model, val, device, mesh, cfg.train.loss_chunk_size)
             log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-            if rank == 0:
-                bar.write(f"[val] step {step}: val_loss {val_loss:.4f}")
+            progress.write(f"[val] step {step}: val_loss {val_loss:.4f}")
         if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
             ckpt.save(step, s.app)
-        if stop.any_rank():
+        stopped_by = stop.any_rank()
+        if stopped_by:
             ckpt.save(step, s.app)
             ckpt.wait()
-            if rank == 0:
-                bar.write(f"[train] SIGTERM: saved step {step} in {ckpt.root}; run the same command to resume")
             break
         t_last += time.perf_counter() - paused  # validation and saving are not training throughput
     ckpt.close()
-    bar.close()
+    progress.close()
+    log.close()
     if rank == 0:
-        print(f"[train] done at step {train_state.step}; peak memory {peak_memory_gib(device):.2f} GiB on rank 0",
-              flush=True)
+        step, total = train_state.step, cfg.train.steps
+        if stopped_by:
+            verb = "interrupted" if stopped_by == signal.SIGINT else "stopped"
+            print(f"[train] {signal.Signals(stopped_by).name}: saved step {step} in {ckpt.root}; {verb} at step "
+                  f"{step} of {total}; run the same command to resume", flush=True)
+        else:
+            print(f"[train] finished: step {step} of {total}; peak memory {peak_memory_gib(device):.2f} GiB on "
+                  f"rank 0", flush=True)
+    return stopped_by
 
 
 # ---------------------------------------------------------------- the command
@@ -289,15 +329,22 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
         except hf.HFError as e:
             raise SetupError(f"--init_from_hf: {e}") from None
     validate(cfg, world_size)
+    device = distributed.resolve_device(cfg.train.device)
+    cfg.train.dtype = compute_dtype(cfg.train, device)  # the resolved dtype is what config.toml records
+    if cfg.train.dtype == "bfloat16" and device.type == "cpu" and not distributed.cpu_has_native_bf16() \
+            and int(os.environ.get("RANK", 0)) == 0:
+        print("[train] notice: train.dtype bfloat16 on a CPU without native bf16 matmuls (no avx512_bf16 or "
+              "amx_bf16): expect it 3-8x slower than --train.dtype float32", flush=True)
 
 
-def run(cfg: Config, tp_plan: TPPlan | None = None) -> None:
-    """Train as configured (called under torchrun on every rank, after check_run)."""
+def run(cfg: Config, tp_plan: TPPlan | None = None) -> int:
+    """Train as configured (called under torchrun on every rank, after check_run); returns train()'s result."""
     lock = lock_run_dir(cfg.run_dir) if int(os.environ.get("RANK", 0)) == 0 else None
     try:
         rank, world_size, device = distributed.init_distributed(cfg.train.device)
-        train(build(cfg, rank, world_size, device, tp_plan))
+        stopped_by = train(build(cfg, rank, world_size, device, tp_plan))
         distributed.finish_distributed()
+        return stopped_by
     finally:
         distributed.abandon_distributed()
         if lock is not None:
@@ -306,10 +353,13 @@ def run(cfg: Config, tp_plan: TPPlan | None = None) -> None:
 
 def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
          check_layout: Callable[[Config, int], None] | None = None, description: str = "") -> int:
-    """Entry point of train_fsdp.py and train_2d.py: parse, check, run; bad input exits 2 with one line.
+    """Entry point of train_fsdp.py and train_2d.py: parse, check, run.
 
-    tp_plan: the tensor-parallel plan (train_2d.py); check_layout(cfg, world_size): its
-    layout checks, run before anything is created. description: the --help text's head.
+    Exit status: 0 finished, or stopped by SIGTERM after saving; 130 after Ctrl-C (SIGINT:
+    saved, or interrupted before training started); 2 on bad input, with one line
+    'error: ...' (see errors.report). tp_plan: the tensor-parallel plan (train_2d.py);
+    check_layout(cfg, world_size): its layout checks, run before anything is created.
+    description: the --help text's head.
     """
     try:
         args = sys.argv[1:] if argv is None else argv
@@ -319,8 +369,12 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
                              "start with --config configs/debug.toml")
         cfg = parse_config(argv, description)
         check_run(cfg, distributed.world_size(), tp_plan, check_layout)
-        run(cfg, tp_plan)
+        return 130 if run(cfg, tp_plan) == signal.SIGINT else 0
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        report(e)
         return 2
-    return 0
+    except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one inside it
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("[train] interrupted (Ctrl-C); what was saved before stays; run the same command to resume",
+                  file=sys.stderr, flush=True)
+        return 130

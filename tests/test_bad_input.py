@@ -187,6 +187,23 @@ def test_changed_model_settings_on_resume_are_refused(existing_run):
 
 
 @pytest.mark.slow
+def test_a_changed_seq_len_on_resume_is_refused(existing_run):
+    before = _snapshot(existing_run)
+    rc, err = _bad_data_run(existing_run, "--data.seq_len", "64", "--train.steps", "3")
+    assert rc != 0 and "data.seq_len: checkpoint 128, now 64" in err[0], err
+    assert _snapshot(existing_run) == before
+
+
+def test_the_batch_error_names_only_what_the_user_set(tmp_path, monkeypatch, capsys):
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(tmp_path / "run"),
+                               "--train.global_batch_size", "15", world_size=2)
+    assert rc == 2 and "micro_batch_size" not in err and "so that every rank takes an equal share" in err
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(tmp_path / "run"),
+                               "--train.micro_batch_size", "3", world_size=2)
+    assert rc == 2 and "data-parallel size (2) x train.micro_batch_size (3) = 6" in err
+
+
+@pytest.mark.slow
 def test_a_run_directory_in_use_stops_a_second_run(existing_run, monkeypatch, capsys):
     before = _snapshot(existing_run)
     holder = ckpt_lib.lock_run_dir(str(existing_run))  # another run, as far as the lock can tell

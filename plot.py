@@ -1,0 +1,188 @@
+"""Draw the training curves of one or several runs from RUN_DIR/metrics.jsonl into one PNG.
+
+    python plot.py runs/a [runs/b ...] --out curves.png [--smooth N]
+
+Four panels: train and validation loss against tokens seen (any "val_loss/<name>" key as an extra
+dashed line), learning rate, tokens/s and MFU against step; one colour per run. matplotlib is
+imported only when drawing, so `import plot` and read_metrics work without it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+from cli import ArgumentParser, number
+from errors import UserError
+
+TRAIN_KEYS = ("loss", "lr", "tokens_per_sec", "mfu", "tokens_seen")
+MATPLOTLIB_MISSING = "plot.py needs matplotlib: pip install matplotlib (or the project's [plot] extra)"
+
+
+class PlotError(UserError):
+    """A missing, empty or malformed metrics.jsonl; the message names the file (and line) and the fix."""
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
+    """(train records, validation records) of one metrics.jsonl, each a list of dicts sorted by step.
+
+    A train record has "loss" plus TRAIN_KEYS; a validation record has "val_loss" and/or
+    "val_loss/<name>" keys and gets "tokens_seen" (tokens) from the train record of its step, else
+    step * (tokens per step of the run). Other records are ignored. A resumed run logs the steps
+    after its checkpoint again: the later record of a step wins.
+    Raises PlotError if the file is missing or empty, a line is not a JSON object with an int
+    "step" (or a train record lacks a numeric key), or there is no train record.
+    """
+    if not os.path.isfile(path):
+        raise PlotError(f"{path} not found: pass a run directory written by train_fsdp.py or train_2d.py (--run_dir)")
+    train, val, lines = {}, {}, 0
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            lines += 1
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PlotError(f"{path} line {n}: not JSON ({e.msg}): fix or delete that line") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise PlotError(f"{path} line {n}: not a JSON object with an int 'step': fix or delete that line")
+            if "loss" in rec:
+                bad = [k for k in TRAIN_KEYS if not _is_number(rec.get(k))]
+                if bad:
+                    raise PlotError(f"{path} line {n}: train record lacks a number for {bad[0]!r}: "
+                                    "fix or delete that line")
+                train[rec["step"]] = rec
+            elif any(k == "val_loss" or k.startswith("val_loss/") for k in rec):
+                val[rec["step"]] = rec
+    if not lines:
+        raise PlotError(f"{path} is empty: the run has not logged a step yet; plot it after its first step")
+    if not train:
+        raise PlotError(f"{path} has no train records: train the run first (or let it reach its first log step)")
+    train_list = [train[s] for s in sorted(train)]
+    per_step = train_list[-1]["tokens_seen"] / train_list[-1]["step"]
+    val_list = [{**val[s], "tokens_seen": train[s]["tokens_seen"] if s in train else s * per_step} for s in sorted(val)]
+    return train_list, val_list
+
+
+def run_labels(run_dirs: list[str]) -> list[str]:
+    """A legend label per run directory: its basename, with parent folders added where basenames repeat (x/a, y/a)."""
+    paths = [os.path.abspath(d).split(os.sep) for d in run_dirs]
+    labels = []
+    for p in paths:
+        k = 1
+        while k < len(p) and any(q[-k:] == p[-k:] for q in paths if q != p):
+            k += 1
+        labels.append(os.sep.join(p[-k:]))
+    return [n if n not in labels[:i] else f"{n} #{labels[:i].count(n) + 1}" for i, n in enumerate(labels)]
+
+
+def running_mean(values: list[float], n: int) -> list[float]:
+    """Trailing mean over the last n values (fewer at the start); same length as values."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - n] if i >= n else 0.0)
+        out.append(total / min(i + 1, n))
+    return out
+
+
+def _tokens(x: float, _pos=None) -> str:
+    """Tick label for a token count: 0, 500K, 1M, 1.5M, 10M, 2B."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.0f}"
+
+
+def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int = 1) -> None:
+    """Write the 2x2 figure of runs [(label, train records, val records)] to out (format from its suffix).
+
+    smooth > 1: the train loss is a running mean over that many records, the raw loss faint behind.
+    Raises ImportError without matplotlib, OSError/ValueError if out cannot be written.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    (ax_loss, ax_lr), (ax_tps, ax_mfu) = axes
+    markers = "os^Dv<>p"
+    for i, (label, train, val) in enumerate(runs):
+        color = f"C{i % 10}"
+        steps = [r["step"] for r in train]
+        ok = [r for r in train if math.isfinite(r["loss"])]
+        tokens, loss = [r["tokens_seen"] for r in ok], [r["loss"] for r in ok]
+        if smooth > 1:
+            ax_loss.plot(tokens, loss, color=color, alpha=0.3, lw=0.8)
+            ax_loss.plot(tokens, running_mean(loss, smooth), color=color, lw=1.6,
+                         label=f"{label} train (mean of {smooth})")
+        else:
+            ax_loss.plot(tokens, loss, color=color, lw=1.4, label=f"{label} train")
+        keys = sorted({k for r in val for k in r if k == "val_loss" or k.startswith("val_loss/")})
+        for j, key in enumerate(keys):
+            pts = [(r["tokens_seen"], r[key]) for r in val if _is_number(r.get(key))]
+            if pts:
+                ax_loss.plot(*zip(*pts), color=color, ls="--", marker=markers[j % len(markers)],
+                             ms=6, mec="white", zorder=3,
+                             label=f"{label} {key.replace('val_loss', 'val')}")
+        ax_lr.plot(steps, [r["lr"] for r in train], color=color, label=label)
+        ax_tps.plot(steps, [r["tokens_per_sec"] for r in train], color=color, label=label)
+        ax_mfu.plot(steps, [100 * r["mfu"] for r in train], color=color, label=label)
+    ax_loss.set(title="Loss", xlabel="tokens seen", ylabel="cross-entropy (nats/token)")
+    ax_loss.xaxis.set_major_formatter(FuncFormatter(_tokens))
+    ax_loss.legend(fontsize=8, loc="best")
+    ax_lr.set(title="Learning rate", xlabel="step", ylabel="lr")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    ax_tps.set(title="Throughput", xlabel="step", ylabel="tokens/s (all ranks)")
+    ax_tps.yaxis.set_major_formatter(FuncFormatter(_tokens))
+    ax_mfu.set(title="MFU", xlabel="step", ylabel="MFU (%)")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.suptitle(", ".join(label for label, _, _ in runs))
+    try:
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: draws the runs into --out, prints 'wrote OUT (...)' and returns 0.
+
+    Bad input (no run, a missing/empty/malformed metrics.jsonl, no matplotlib, an unwritable --out):
+    one line 'error: ...' on stderr and status 2 (argparse's errors raise SystemExit(2)).
+    """
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    p.add_argument("--out", required=True, help="PNG file to write (its folder is created)")
+    p.add_argument("--smooth", type=number(int, lambda v: v >= 1, "an int >= 1"), default=1,
+                   help="running mean over N train records for the train loss (1: raw)")
+    a = p.parse_args(argv)
+    if not a.run_dirs:
+        p.error("no run directories given: pass one or more RUN_DIRs holding metrics.jsonl")
+    try:
+        runs = [(label, *read_metrics(os.path.join(d, "metrics.jsonl")))
+                for label, d in zip(run_labels(a.run_dirs), a.run_dirs)]
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise PlotError(MATPLOTLIB_MISSING) from None
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+            draw(runs, a.out, a.smooth)
+        except (OSError, ValueError) as e:
+            raise PlotError(f"cannot write {a.out} ({' '.join(str(e).split())}): pass a writable --out ending in .png")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"wrote {a.out} ({len(runs)} runs, {sum(len(t) for _, t, _ in runs)} train records)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""On-demand profiles of a few training steps: a torch profiler trace, and on CUDA a memory snapshot.
+
+``train.profile_steps = "10-12"`` records steps 10 to 12 on rank 0 into RUN_DIR/profile/:
+``trace_steps_10-12.json`` (Chrome trace format: open it in https://ui.perfetto.dev or
+chrome://tracing) and, on CUDA, ``memory_steps_10-12.pickle`` (drag it into
+https://pytorch.org/memory_viz). Other steps and ranks run unprofiled.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from errors import ConfigError
+
+
+def parse_steps(text: str) -> tuple[int, int] | None:
+    """'10-12' -> (10, 12); '7' -> (7, 7); '' -> None. Raises ConfigError naming train.profile_steps."""
+    if not text:
+        return None
+    first, _, last = text.partition("-")
+    try:
+        span = int(first), int(last or first)
+    except ValueError:
+        span = None
+    if span is None or not 1 <= span[0] <= span[1]:
+        raise ConfigError(f"train.profile_steps must look like '10-12' or '7' (1-based steps, first <= last), "
+                          f"got {text!r}")
+    return span
+
+
+class StepProfiler:
+    """Profiles the steps of span (first, last) on this rank when enabled; call before_step/after_step around each."""
+
+    def __init__(self, span: tuple[int, int] | None, run_dir: str, device: torch.device, enabled: bool):
+        self.span = span if enabled else None
+        self.dir = os.path.join(run_dir, "profile")
+        self.cuda = device.type == "cuda"
+        self._prof = None
+
+    def before_step(self, step: int) -> None:
+        """step: the 1-based step about to run."""
+        if self.span is None or step != self.span[0]:
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self._prof = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=False)
+        self._prof.__enter__()
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    def after_step(self, step: int) -> str | None:
+        """Finish after the last profiled step; returns the trace's path then, else None."""
+        if self._prof is None or step != self.span[1]:
+            return None
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        tag = f"steps_{self.span[0]}-{self.span[1]}"
+        os.makedirs(self.dir, exist_ok=True)
+        trace = os.path.join(self.dir, f"trace_{tag}.json")
+        prof.export_chrome_trace(trace)
+        if self.cuda:
+            torch.cuda.memory._dump_snapshot(os.path.join(self.dir, f"memory_{tag}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        return trace

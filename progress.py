@@ -1,0 +1,61 @@
+"""What a person watching a run sees: a progress bar in a terminal, plain lines in a log file.
+
+In a terminal (stderr is a TTY) tqdm draws one bar that updates in place. Without one (nohup,
+SLURM's output file, a pipe) a bar would write carriage-return-joined updates into one huge
+line, so each log interval becomes one plain line instead: step, loss, lr, tokens/s, MFU, ETA.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+
+def _duration(seconds: float) -> str:
+    """4000 -> '1h06m40s'; 75 -> '1m15s'."""
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class Progress:
+    """Progress of `total` steps from `initial`, shown on one rank (enabled); bar or lines by stderr.isatty().
+
+    step() after every step; log(record) after every logged one (a metrics.jsonl train
+    record); write(text) for a message that must not break the bar.
+    """
+
+    def __init__(self, total: int, initial: int, enabled: bool, tty: bool | None = None):
+        self.total, self.enabled = total, enabled
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.bar = tqdm(total=total, initial=initial, disable=not (enabled and self.tty), dynamic_ncols=True)
+        self._t0, self._first = time.perf_counter(), initial
+
+    def step(self) -> None:
+        self.bar.update(1)
+
+    def log(self, record: dict) -> None:
+        """Show a train record: the bar's postfix, or one line with the ETA from the run's mean step time."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                 tok_s=f"{record['tokens_per_sec']:.0f}", mfu=f"{record['mfu']:.1%}")
+            return
+        step = record["step"]
+        per_step = (time.perf_counter() - self._t0) / max(1, step - self._first)
+        print(f"step {step}/{self.total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+              f"{record['tokens_per_sec']:,.0f} tok/s | MFU {record['mfu']:.1%} | "
+              f"ETA {_duration(per_step * (self.total - step))}", flush=True)
+
+    def write(self, text: str) -> None:
+        if self.enabled:
+            if self.tty:
+                self.bar.write(text)
+            else:
+                print(text, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,97 @@
+"""plot.py draws two synthetic runs into a valid PNG and refuses bad input with one line 'error: ...' and status 2."""
+import json
+import math
+
+import pytest
+
+import plot
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, seed=0.0):
+    """A metrics.jsonl like the trainer's: n_train train records, a validation record at each of val_steps."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, n_train + 1):
+        loss = 8.3 - 3 * math.log1p(step) / math.log1p(n_train) + 0.1 * math.sin(step + seed)
+        lines.append({"step": step, "loss": loss,
+                      "lr": 3e-3 * min(1.0, step / 5), "grad_norm": 1.0, "tokens_per_sec": 3500.0 + 10 * step,
+                      "mfu": 0.35, "tokens_seen": 2048 * step, "epoch": 0, "peak_mem_gib": 0.5})
+        if step in val_steps:
+            rec = {"step": step, "val_loss": 8.0 - step / 10, "val_ppl": math.exp(8.0 - step / 10)}
+            if extra_val:
+                rec["val_loss/code"] = 8.2 - step / 10
+            lines.append(rec)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return run_dir
+
+
+def _refused(argv, capsys) -> str:
+    """plot.main(argv) must give status 2 and one line 'error: ...' on stderr; returns the line."""
+    capsys.readouterr()
+    try:
+        rc = plot.main(argv)
+    except SystemExit as e:  # argparse's errors
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_read_metrics_fills_validation_tokens(tmp_path):
+    train, val = plot.read_metrics(str(_write_run(tmp_path / "a", extra_val=True) / "metrics.jsonl"))
+    assert len(train) == 30 and [r["step"] for r in val] == [10, 20, 30]
+    assert [r["tokens_seen"] for r in val] == [20480, 40960, 61440] and "val_loss/code" in val[0]
+
+
+def test_labels_and_smoothing():
+    assert plot.run_labels(["runs/a", "runs/b/"]) == ["a", "b"]
+    assert plot.run_labels(["r/x/a", "r/y/a", "r/y/a/"]) == ["x/a", "y/a", "y/a #2"]
+    assert plot.running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert plot._tokens(1_500_000) == "1.5M" and plot._tokens(10_000_000) == "10M" and plot._tokens(0) == "0"
+
+
+def test_two_runs_make_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    a = _write_run(tmp_path / "runs" / "a")
+    b = _write_run(tmp_path / "runs" / "b", extra_val=True, seed=1.0)
+    out = tmp_path / "new" / "dir" / "curves.png"  # the parent is created
+    assert plot.main([str(a), str(b), "--out", str(out), "--smooth", "5"]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out} (2 runs, 60 train records)"
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    image = imread(str(out))
+    assert image.ndim == 3 and image.shape[2] in (3, 4) and image.shape[0] >= 400 and image.shape[1] >= 600
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = str(tmp_path / "curves.png")
+    missing = tmp_path / "nothing"
+    missing.mkdir()
+    assert f"{missing / 'metrics.jsonl'} not found" in _refused([str(missing), "--out", out], capsys)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    assert f"{empty / 'metrics.jsonl'} is empty" in _refused([str(empty), "--out", out], capsys)
+
+    bad = _write_run(tmp_path / "bad")
+    with open(bad / "metrics.jsonl", "a") as f:
+        f.write('{"step": 31, "loss": 4.2, "lr"\n')
+    assert f"{bad / 'metrics.jsonl'} line 34:" in _refused([str(bad), "--out", out], capsys)
+
+    assert "no run directories" in _refused(["--out", out], capsys)
+    assert "--smooth" in _refused([str(bad), "--out", out, "--smooth", "0"], capsys)
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    line = _refused([str(_write_run(tmp_path / "a")), "--out", str(tmp_path / "c.png")], capsys)
+    assert line == f"error: {plot.MATPLOTLIB_MISSING}"
