@@ -279,12 +279,22 @@ class Checkpointer:
                                                         use_async_staging=False, use_non_blocking_copy=False))
 
     def clean_partial(self) -> None:
-        """Remove '.tmp' directories left by a crash (rank 0; call before the first save)."""
-        if self.rank != 0 or not os.path.isdir(self.root):
+        """Remove '.tmp' directories left by a crash (rank 0; call before the first save).
+
+        Raises CheckpointError, before anything is trained, when checkpoints/ or an entry named
+        like a checkpoint is not a directory: a later save would fail there.
+        """
+        if self.rank != 0 or not os.path.lexists(self.root):
             return
+        if not os.path.isdir(self.root):
+            raise CheckpointError(f"'{self.root}' is not a directory; move it away so checkpoints can be saved there")
         for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if _STEP_DIR.match(name.removesuffix(".tmp")) and not os.path.isdir(path):
+                raise CheckpointError(f"'{path}' is not a checkpoint directory; move it away so checkpoints can be "
+                                      f"saved there")
             if name.endswith(".tmp"):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)
 
     def resume_path(self) -> str | None:
         """The checkpoint to resume from: checkpoint.load_from, else the newest complete one, else None.

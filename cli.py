@@ -37,7 +37,7 @@ class ArgumentParser(argparse.ArgumentParser):
             near = [difflib.get_close_matches(f.split("=")[0], self._all_flags(), n=1) for f in flags]
             hints = [f"'{f}': did you mean '{n[0]}'?" for f, n in zip(flags, near) if n]
             message += "; " + "; ".join(hints) if hints else ""
-        print(f"error: {message}; see --help", file=sys.stderr, flush=True)
+        print(f"error: {message}; see --help".replace("\n", "\\n"), file=sys.stderr, flush=True)
         raise SystemExit(2)
 
     def _all_flags(self) -> list[str]:

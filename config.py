@@ -161,13 +161,24 @@ def validate(cfg: Config, world_size: int) -> None:
             f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
             f"({cfg.model.vocab_size}); lower the first or raise the second"
         )
+    check_run_dir(cfg.run_dir)
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Create run_dir if it does not exist and check that files can be written in it.
+
+    Raises SetupError naming it (empty, a file, unwritable, an impossible path) and the fix.
+    """
+    if not run_dir:
+        raise SetupError("--run_dir is empty; give the directory of the run, e.g. --run_dir runs/debug")
     try:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        probe = os.path.join(cfg.run_dir, f".write_probe_{os.getpid()}")
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, f".write_probe_{os.getpid()}")
         open(probe, "w").close()
         os.remove(probe)
-    except OSError as e:
-        raise SetupError(f"--run_dir '{cfg.run_dir}' is not writable ({e.strerror}); choose another directory") from e
+    except (OSError, ValueError) as e:  # ValueError: e.g. a NUL byte in the path
+        reason = e.strerror if isinstance(e, OSError) else str(e)
+        raise SetupError(f"--run_dir {run_dir!r} is not writable ({reason}); choose another directory") from e
 
 
 def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:

@@ -55,6 +55,12 @@ class DataConfig:
 
 
     def __post_init__(self) -> None:
+        if not self.dataset:
+            raise ConfigError("data.dataset is empty; give 'stdlib', a local file, folder or glob, or a hub id")
+        if self.tokenizer_vocab_size < 259:  # the 256 byte-level symbols and the 3 special tokens
+            raise ConfigError(f"data.tokenizer_vocab_size must be >= 259, got {self.tokenizer_vocab_size}")
+        if self.tokenizer_train_chars <= 0:
+            raise ConfigError(f"data.tokenizer_train_chars must be > 0, got {self.tokenizer_train_chars}")
         if not self.text_column:
             raise ConfigError("data.text_column is empty; name the column that holds the text (e.g. 'text')")
         if self.max_documents < 0:
@@ -80,14 +86,39 @@ def inputs_labels(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
+META_KEYS = ("tokenizer", "vocab_size", "n_tokens", "n_documents", "config")
+
+
+def read_meta(out_dir: str) -> dict:
+    """A prepared data directory's meta.json; raises DataError naming the file when it is unreadable or incomplete."""
+    path = os.path.join(out_dir, "meta.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 or not JSON
+        raise DataError(f"'{path}' cannot be read ({type(e).__name__}); the data directory is damaged: move "
+                        f"'{out_dir}' away and run again to prepare it anew") from None
+    missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
+    if missing:
+        raise DataError(f"'{path}' lacks {', '.join(missing)}; the data directory is damaged: move '{out_dir}' away "
+                        f"and run again to prepare it anew")
+    return meta
+
+
 class PackedCorpus:
     """The prepared token stream, memory-mapped, split into train and validation windows."""
 
     def __init__(self, out_dir: str, cfg: DataConfig):
-        with open(os.path.join(out_dir, "meta.json")) as f:
-            self.meta = json.load(f)
+        """Map out_dir's tokens.bin; raises DataError when it does not hold the tokens meta.json counts."""
+        self.meta = read_meta(out_dir)
         self.seq_len = cfg.seq_len
-        self.tokens = np.memmap(os.path.join(out_dir, "tokens.bin"), dtype=np.uint32, mode="r")
+        path = os.path.join(out_dir, "tokens.bin")
+        size = os.path.getsize(path) if os.path.isfile(path) else -1
+        if size != 4 * self.meta["n_tokens"] or size == 0:
+            raise DataError(f"'{path}' holds {max(size, 0)} bytes, not the {self.meta['n_tokens']} uint32 tokens "
+                            f"meta.json counts; the data directory is damaged: move '{out_dir}' away and run again "
+                            f"to prepare it anew")
+        self.tokens = np.memmap(path, dtype=np.uint32, mode="r")
         n = num_windows(self.tokens.size, cfg.seq_len)
         self.n_val = int(n * cfg.val_fraction) if cfg.val_fraction > 0 else 0
         if cfg.val_fraction > 0 and n >= 2:

@@ -38,12 +38,13 @@ def report(e: UserError) -> None:
     to its elastic error file (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic's format),
     so torchrun's failure summary shows it, including for a rank that alone failed.
     """
+    message = f"error: {e}".replace("\n", "\\n")  # a newline inside a name must not split the line
     if int(os.environ.get("RANK", 0)) == 0:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with open(error_file, "w") as f:
-            json.dump({"message": f"error: {e}", "timestamp": int(time.time())}, f)
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:

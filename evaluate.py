@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 import distributed
 from checkpoint import read_model_weights
 from cli import ArgumentParser, number
-from config import load_run, parse_config
+from config import compute_dtype, load_run, parse_config
 from data import DataError, PackedCorpus
 from errors import SetupError, UserError, report
 from loss import scalar, token_loss_sum
@@ -140,7 +140,7 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
         micro = micro_batch_size or max(1, cfg.train.micro_batch(world))
         # Inference: no recompute or compile; the run's dtype (mixed precision) stays.
         model = build_model(cfg.model, build_mesh(device, world), device, cfg.train.seed, cfg.parallel,
-                            dtype=cfg.train.dtype)
+                            dtype=compute_dtype(cfg.train, device))
         state = get_model_state_dict(model)
         read_model_weights(path, state, no_dist=False)
         set_model_state_dict(model, state)

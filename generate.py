@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         _cast_parameters(model, getattr(torch, a.dtype))
         tok = load_tokenizer(tok_path)
         eot = tok.token_to_id(EOT)
-        prompt = [eot] + tok.encode(a.prompt, add_special_tokens=False).ids
+        # A prompt from the command line may hold undecodable bytes (as lone surrogates): replace them.
+        text = a.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        prompt = [eot] + tok.encode(text, add_special_tokens=False).ids
         for i in range(a.num_samples):
             new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed + i, (eot,))
             print(f"--- sample {i} (seed {a.seed + i})")

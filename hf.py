@@ -113,6 +113,13 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
     if cfg.get("model_type") != "llama":
         raise HFError(f"'{where}' describes a '{cfg.get('model_type')}' model, not 'llama'")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    ints = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+            "max_position_embeddings")
+    bad = [f"{k}={cfg[k]!r}" for k in (*ints, "num_key_value_heads") if k in cfg and cfg[k] is not None
+           and (not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] <= 0)]
+    if bad or not isinstance(rope, dict):
+        raise HFError(f"'{where}': {', '.join(bad) or 'rope_parameters is not an object'}; "
+                      f"sizes must be positive integers")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     unsupported = [f"{k}={cfg.get(k)!r}" for k, ok in (("hidden_act", "silu"), ("attention_bias", False),
                                                        ("mlp_bias", False)) if cfg.get(k, ok) != ok]

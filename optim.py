@@ -30,6 +30,12 @@ class OptimConfig:
     """Clip the global gradient L2 norm to this (0: no clipping; the norm is still logged)."""
 
     def __post_init__(self) -> None:
+        for name in ("lr", "eps", "weight_decay", "grad_clip", "min_lr_ratio"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"optim.{name} must be a finite number, got {getattr(self, name)}")
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"optim.min_lr_ratio is a fraction of optim.lr: it must be in [0, 1], got "
+                              f"{self.min_lr_ratio}")
         if self.warmup_steps < 0 or not self.lr > 0:
             raise ConfigError(f"optim.lr must be > 0 and optim.warmup_steps >= 0, got {self.lr} and "
                               f"{self.warmup_steps}")

@@ -28,8 +28,8 @@ import numpy as np
 import torch.distributed as dist
 
 import distributed
-from config import parse_config
-from data import DataConfig, DataError
+from config import check_run_dir, parse_config
+from data import DataConfig, DataError, read_meta
 from errors import ConfigError, UserError, report
 from sources import check_source, iter_documents, source_units
 from tokenizer import EOT, load_tokenizer, train_tokenizer
@@ -214,8 +214,7 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict | None:
     """Rank 0: the meta of an earlier, matching preparation; or None after writing tmp/tokenizer.json."""
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.exists(meta_path):
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = read_meta(out_dir)
         wanted = _prepared_from(cfg)
         changed = [f"data.{k}: {meta['config'].get(k)!r} -> {v!r}" for k, v in wanted.items()
                    if meta.get("config", {}).get(k) != v]
@@ -287,13 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("prepare", "tokenizer"):  # `prepare` is the default; `python data.py prepare` had it
         command, argv = argv[0], argv[1:]
     try:
+        if not any(a == "--config" or a.startswith("--config=") for a in argv):
+            raise ConfigError("--config FILE.toml is required; e.g. --config configs/debug.toml")
         out = None
         if command == "tokenizer":
+            argv = [piece for a in argv for piece in (a.split("=", 1) if a.startswith("--out=") else [a])]
             if "--out" not in argv or argv.index("--out") + 1 >= len(argv):
                 raise ConfigError("tokenizer needs --out PATH")
             i = argv.index("--out")
             out = argv[i + 1]
             del argv[i:i + 2]
+            if os.path.lexists(out):
+                raise ConfigError(f"--out '{out}' exists; choose a path that does not (nothing is overwritten)")
         cfg = parse_config(argv, __doc__)
         check_source(cfg.data)
         if command == "tokenizer":
@@ -303,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             tok.save(out)
             print(f"wrote {out}: {tok.get_vocab_size()} tokens")
             return 0
+        check_run_dir(cfg.run_dir)
         out_dir = os.path.join(cfg.run_dir, "data")
         if distributed.world_size() == 1:
             meta = prepare(cfg.data, out_dir)

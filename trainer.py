@@ -176,6 +176,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
         # The data cursor counts windows of seq_len among the train windows: another length or
         # split would point it elsewhere in the corpus.
         check_same_config(path, "data", {"seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction})
+        check_same_config(path, "train", {"seed": cfg.train.seed})  # it seeds the data order too
         with torch.device("meta"):
             check_compatible(path, {k: v.shape for k, v in Transformer(cfg.model).state_dict().items()})
         batch = saved_config(path).get("train", {}).get("global_batch_size", cfg.train.global_batch_size)

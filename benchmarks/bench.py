@@ -106,7 +106,8 @@ class OursStep:
     def __init__(self, name, cfg, mesh, device, src: str = ""):
         self.name, self.cfg, self.device, self.mesh = name, cfg, device, mesh
         t = cfg.train
-        opts = dict(dtype=t.dtype, activation_checkpointing=t.activation_checkpointing, compile=t.compile)
+        opts = dict(dtype=config_lib.compute_dtype(t, device), activation_checkpointing=t.activation_checkpointing,
+                    compile=t.compile)
         if src:
             mm = load_model_source(src)
             with torch.device("meta"):
@@ -137,7 +138,7 @@ class HFStep(OursStep):
         import transformers
 
         self.name, self.cfg, self.device = name, cfg, device
-        dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+        dtype = torch.bfloat16 if config_lib.compute_dtype(cfg.train, device) == "bfloat16" else torch.float32
         a = cfg.model
         config = transformers.LlamaConfig(
             vocab_size=a.vocab_size, hidden_size=a.dim, intermediate_size=a.ffn_dim, num_hidden_layers=a.n_layers,

@@ -51,7 +51,7 @@ def main() -> None:
     rank, world, device = distributed.init_distributed(cfg.train.device)
     mesh = parallelize.build_mesh(device, world)
     t = cfg.train
-    model = parallelize.build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=t.dtype,
+    model = parallelize.build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=config.compute_dtype(t, device),
                                     activation_checkpointing=t.activation_checkpointing, compile=t.compile)
     optimizer, scheduler = optim.build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload)
     # One synthetic step so the optimizer state exists and is written.

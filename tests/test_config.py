@@ -101,3 +101,25 @@ def test_unreadable_config_paths_are_config_errors(tmp_path):
         parse_config(["--config", "a\0b.toml"])
     with pytest.raises(ConfigError, match="--config needs a value"):
         parse_config(["--config"])
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--optim.lr", "inf"], "optim.lr must be a finite number, got inf"),
+    (["--optim.eps", "inf"], "optim.eps must be a finite number, got inf"),
+    (["--optim.min_lr_ratio", "2"], "optim.min_lr_ratio is a fraction of optim.lr: it must be in [0, 1], got 2.0"),
+    (["--data.tokenizer_vocab_size", "10"], "data.tokenizer_vocab_size must be >= 259, got 10"),
+    (["--data.tokenizer_train_chars", "0"], "data.tokenizer_train_chars must be > 0, got 0"),
+    (["--data.dataset", ""], "data.dataset is empty"),
+])
+def test_values_no_run_can_use_are_refused_when_parsed(argv, msg):
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--config", DEBUG, *argv])
+    assert msg in str(e.value)
+
+
+def test_an_error_message_stays_one_line_whatever_the_names_hold(capsys):
+    from errors import UserError, report
+
+    report(UserError("data.dataset: no file matches 'a\nb.jsonl'"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a\\nb.jsonl" in err

@@ -2,6 +2,7 @@
 batches with disjoint rank slices, reshuffled epochs, exact resume of the loader position."""
 import json
 import os
+import shutil
 import threading
 
 import numpy as np
@@ -168,13 +169,24 @@ def test_prepare_and_tokenizer_commands(tmp_path, capsys):
     from launch import DEBUG
 
     assert prepare.main(["prepare", "--config", DEBUG, "--run_dir", str(tmp_path), "--data.max_documents", "20"]) == 0
-    meta = json.loads(capsys.readouterr().out)
+    lines = capsys.readouterr().out.strip().splitlines()
+    meta = json.loads(lines[-1])
     assert meta["n_documents"] == 20 and (tmp_path / "data" / "tokens.bin").stat().st_size == 4 * meta["n_tokens"]
+    # Progress on the way: the tokenizer, then rank 0's units, documents, tokens and tokens/s.
+    assert any(line.startswith("[data] training a byte-level BPE tokenizer of 4096 tokens") for line in lines)
+    assert any(line.startswith(f"[data] rank 0: 1/1 units, 20 documents, {meta['n_tokens']:,} tokens, ")
+               for line in lines), lines
     out = tmp_path / "tok.json"
-    assert prepare.main(["tokenizer", "--config", DEBUG, "--out", str(out), "--data.max_documents", "5",
-                      "--data.tokenizer_vocab_size", "400"]) == 0
+    assert prepare.main(["tokenizer", "--config", DEBUG, f"--out={out}", "--data.max_documents", "5",
+                         "--data.tokenizer_vocab_size", "400"]) == 0
     assert tokenizer.load_tokenizer(str(out)).get_vocab_size() == 400
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert prepare.main(["tokenizer", "--config", DEBUG, "--out", str(out)]) == 2  # never overwritten
+    assert out.read_bytes() == before and "exists" in capsys.readouterr().err
     assert prepare.main(["tokenizer", "--config", DEBUG]) == 2
+    assert prepare.main(["--run_dir", str(tmp_path / "other")]) == 2 and not (tmp_path / "other").exists()
+    assert "--config FILE.toml is required" in capsys.readouterr().err
 
 
 def _threads_gather(world):
@@ -257,3 +269,14 @@ def test_prepare_under_torchrun_equals_one_process(tmp_path):
     torchrun(2, "prepare.py", *args, "--run_dir", str(tmp_path / "two"))
     for name in ("tokens.bin", "tokenizer.json"):
         assert (tmp_path / "one" / "data" / name).read_bytes() == (tmp_path / "two" / "data" / name).read_bytes()
+
+
+def test_a_damaged_data_directory_is_named_with_the_fix(corpus_dir, tmp_path):
+    cfg, prepared, _, _ = corpus_dir
+    for i, (name, damage) in enumerate([("meta.json", b"\xff\xfe"), ("meta.json", b"{}"),
+                                        ("tokens.bin", b"\x00" * 1001), ("tokens.bin", b"")]):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(prepared, bad)
+        (bad / name).write_bytes(damage)
+        with pytest.raises(DataError, match="the data directory is damaged: move .* away and run again"):
+            PackedCorpus(str(bad), cfg)

@@ -229,6 +229,10 @@ def test_bad_input_gives_one_line_errors(tmp_path, tmp_path_factory, tok_path, c
     json.dump({**cfg, "model_type": "gpt2"}, open(os.path.join(src, "config.json"), "w"))
     with pytest.raises(hf.HFError, match="not 'llama'"):
         hf.read_hf_folder(src)
+    for bad, words in (({"hidden_size": 128.0}, "hidden_size=128.0"), ({"rope_parameters": "x"}, "rope_parameters")):
+        json.dump({**cfg, **bad}, open(os.path.join(src, "config.json"), "w"))
+        with pytest.raises(hf.HFError, match=words):
+            hf.read_hf_folder(src)
     # A weight whose shape disagrees with a consistent config is named.
     json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
     from safetensors.torch import save_file
