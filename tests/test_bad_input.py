@@ -55,7 +55,7 @@ PRE_GROUP = [
     (["--data.tokenizer_vocab_size", "8000"], "data.tokenizer_vocab_size (8000) is larger than model.vocab_size (4096)"),
     (["--data.dataset", "/nonexistent/*.jsonl"], "data.dataset: no file matches '/nonexistent/*.jsonl'"),
     (["--data.tokenizer", "/nonexistent/tokenizer.json"], "data.tokenizer: file '/nonexistent/tokenizer.json' not found"),
-    (["--train.dtype", "fp8"], "train.dtype must be 'bfloat16' or 'float32'"),
+    (["--train.dtype", "fp8"], "train.dtype must be 'auto', 'bfloat16' or 'float32', got 'fp8'"),
     (["--train.activation_checkpointing", "some"], "train.activation_checkpointing must be"),
     (["--optim.beta1", "1.5"], "optim.beta1 must be in [0, 1), got 1.5"),
     (["--optim.eps", "-1"], "optim.eps must be > 0, got -1.0"),

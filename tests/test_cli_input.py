@@ -153,7 +153,7 @@ def test_a_run_without_checkpoints_or_with_a_damaged_one(tmp_path, tmp_path_fact
     (["--micro_batch_size", "x"], "argument --micro_batch_size"),
     (["--split", "test"], "argument --split: invalid choice: 'test'"),
     (["--train.device", "banana"], "train.device must be 'auto', 'cuda' or 'cpu', got 'banana'"),
-    (["--train.dtype", "fp8"], "train.dtype must be 'bfloat16' or 'float32', got 'fp8'"),
+    (["--train.dtype", "fp8"], "train.dtype must be 'auto', 'bfloat16' or 'float32', got 'fp8'"),
     (["--data.seq_len", "0"], "data.seq_len (0) must be in 1..model.max_seq_len"),
     (["--train.seed", "99999999999999999999999"], "train.seed: 99999999999999999999999 is out of range"),
 ])
