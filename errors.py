@@ -44,7 +44,9 @@ def report(e: UserError) -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with open(error_file, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+            # The layout ErrorHandler.record_exception writes; the summary shows py_callstack as "traceback".
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
