@@ -158,7 +158,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
                                cfg.train.seed, data_state)
 
     t = cfg.train
-    model = build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=t.dtype,
+    model = build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=compute_dtype(t, device),
                         activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload)
 
