@@ -58,3 +58,17 @@ def prepared_data_dir(dest) -> None:
         cfg = parse_config(["--config", DEBUG])
         prepare.prepare(cfg.data, cache)
     shutil.copytree(cache, os.path.join(str(dest), "data"), dirs_exist_ok=True)
+
+
+def refused(main, argv, capsys) -> str:
+    """main(argv) in this process must exit with status 2 and one line 'error: ...'; returns the line."""
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's errors
+        rc = e.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]

@@ -12,25 +12,11 @@ import generate
 import hf
 import tokenizer
 from debug_export import debug_run_dir
-from launch import ROOT
+from launch import ROOT, refused
 from model import ModelArgs
 from models import random_model
 
 TINY = dict(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=320, ffn_dim=64, max_seq_len=32)
-
-
-def _refused(main, argv, capsys) -> str:
-    """main(argv) in this process must exit with status 2 and one line 'error: ...'; returns the line."""
-    capsys.readouterr()
-    try:
-        rc = main(argv)
-    except SystemExit as e:  # argparse's errors
-        rc = e.code
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert rc == 2 and "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
 
 
 def _tree(folder) -> dict:
@@ -72,13 +58,13 @@ def hf_folder(tmp_path_factory) -> str:
 ])
 def test_generate_refuses_bad_flags_before_loading(tmp_path, capsys, argv, words):
     src = [] if "--hf" in argv else ["--run_dir", str(tmp_path / "never_read")]
-    line = _refused(generate.main, [*src, *argv], capsys)
+    line = refused(generate.main, [*src, *argv], capsys)
     assert all(w in line for w in words), line
 
 
 def test_generate_names_a_missing_run_or_folder(tmp_path, capsys):
-    assert "has no config.toml" in _refused(generate.main, ["--run_dir", str(tmp_path / "nope")], capsys)
-    assert "is not a directory" in _refused(generate.main, ["--hf", str(tmp_path / "nope")], capsys)
+    assert "has no config.toml" in refused(generate.main, ["--run_dir", str(tmp_path / "nope")], capsys)
+    assert "is not a directory" in refused(generate.main, ["--hf", str(tmp_path / "nope")], capsys)
 
 
 @pytest.mark.parametrize("content, words", [
@@ -91,7 +77,7 @@ def test_a_corrupt_safetensors_file_is_named(tmp_path, capsys, hf_folder, conten
     shutil.copytree(hf_folder, bad)
     weights = bad / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:2000] if content is None else content)
-    line = _refused(generate.main, ["--hf", str(bad), "--max_new_tokens", "2"], capsys)
+    line = refused(generate.main, ["--hf", str(bad), "--max_new_tokens", "2"], capsys)
     assert f"cannot read weights '{weights}'" in line and words in line and "again" in line, line
     with pytest.raises(hf.HFError, match="cannot read weights"):
         hf.read_hf_folder(str(bad))
@@ -101,9 +87,9 @@ def test_a_bad_config_json_is_named(tmp_path, capsys, hf_folder):
     bad = tmp_path / "hf"
     shutil.copytree(hf_folder, bad)
     (bad / "config.json").write_bytes(b"[1, 2]")
-    assert "holds a JSON list, not an object" in _refused(generate.main, ["--hf", str(bad)], capsys)
+    assert "holds a JSON list, not an object" in refused(generate.main, ["--hf", str(bad)], capsys)
     (bad / "config.json").write_bytes(b"\xff\xfe{")
-    assert "config.json': UnicodeDecodeError" in _refused(generate.main, ["--hf", str(bad)], capsys)
+    assert "config.json': UnicodeDecodeError" in refused(generate.main, ["--hf", str(bad)], capsys)
 
 
 @pytest.mark.slow
@@ -111,7 +97,7 @@ def test_export_refuses_an_existing_file_or_folder_and_leaves_it(tmp_path, tmp_p
     run = debug_run_dir(tmp_path_factory)
     afile = tmp_path / "model"
     afile.write_bytes(b"precious\n")
-    line = _refused(hf.main, ["export", "--run_dir", run, "--out", str(afile)], capsys)
+    line = refused(hf.main, ["export", "--run_dir", run, "--out", str(afile)], capsys)
     assert f"--out '{afile}' is a file" in line and "choose a folder path" in line
     assert afile.read_bytes() == b"precious\n"
     full = tmp_path / "full"
@@ -119,15 +105,15 @@ def test_export_refuses_an_existing_file_or_folder_and_leaves_it(tmp_path, tmp_p
     (full / "keep.txt").write_bytes(b"keep")
     (full / "sub" / "model.safetensors").write_bytes(b"old weights")
     before = _tree(full)
-    line = _refused(hf.main, ["export", "--run_dir", run, "--out", str(full)], capsys)
+    line = refused(hf.main, ["export", "--run_dir", run, "--out", str(full)], capsys)
     assert f"--out '{full}' exists and is not empty" in line
-    line = _refused(hf.main, ["export", "--run_dir", run, "--out", str(afile / "below")], capsys)
+    line = refused(hf.main, ["export", "--run_dir", run, "--out", str(afile / "below")], capsys)
     assert "cannot create a folder in" in line and "choose a writable location" in line
     assert _tree(full) == before and afile.read_bytes() == b"precious\n"
     assert sorted(os.listdir(tmp_path)) == ["full", "model"]  # no half-written export left behind
-    assert "--max_shard_size: '0'" in _refused(hf.main, ["export", "--run_dir", run, "--out", str(tmp_path / "x"),
+    assert "--max_shard_size: '0'" in refused(hf.main, ["export", "--run_dir", run, "--out", str(tmp_path / "x"),
                                                          "--max_shard_size", "0"], capsys)
-    assert "required: --run_dir, --out" in _refused(hf.main, ["export"], capsys)
+    assert "required: --run_dir, --out" in refused(hf.main, ["export"], capsys)
 
 
 @pytest.mark.slow
@@ -137,14 +123,14 @@ def test_a_run_without_checkpoints_or_with_a_damaged_one(tmp_path, tmp_path_fact
     bare.mkdir()
     shutil.copyfile(os.path.join(run, "config.toml"), bare / "config.toml")
     os.symlink(os.path.join(run, "data"), bare / "data")
-    line = _refused(hf.main, ["export", "--run_dir", str(bare), "--out", str(tmp_path / "out")], capsys)
+    line = refused(hf.main, ["export", "--run_dir", str(bare), "--out", str(tmp_path / "out")], capsys)
     assert "no complete checkpoint in" in line and not (tmp_path / "out").exists()
     # The same run with one checkpoint shard cut short: the metadata reads, the weights do not.
     shutil.copytree(os.path.join(run, "checkpoints"), bare / "checkpoints")
     ckpt = next((bare / "checkpoints").iterdir())
     for shard in ckpt.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:1000])
-    line = _refused(generate.main, ["--run_dir", str(bare), "--max_new_tokens", "2"], capsys)
+    line = refused(generate.main, ["--run_dir", str(bare), "--max_new_tokens", "2"], capsys)
     assert f"checkpoint '{ckpt}' is damaged" in line and "pick another with --checkpoint" in line, line
 
 
@@ -159,12 +145,12 @@ def test_a_run_without_checkpoints_or_with_a_damaged_one(tmp_path, tmp_path_fact
 ])
 @pytest.mark.slow
 def test_evaluate_refuses_bad_input_before_the_process_group(tmp_path_factory, capsys, argv, words):
-    line = _refused(evaluate.main, ["--run_dir", debug_run_dir(tmp_path_factory), *argv], capsys)
+    line = refused(evaluate.main, ["--run_dir", debug_run_dir(tmp_path_factory), *argv], capsys)
     assert words in line, line
 
 
 def test_evaluate_names_a_missing_run(tmp_path, capsys):
-    assert f"run directory '{tmp_path / 'nope'}' has no config.toml" in _refused(
+    assert f"run directory '{tmp_path / 'nope'}' has no config.toml" in refused(
         evaluate.main, ["--run_dir", str(tmp_path / "nope")], capsys)
 
 

@@ -5,6 +5,7 @@ import math
 import pytest
 
 import plot
+from launch import refused
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -25,20 +26,6 @@ def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, see
             lines.append(rec)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return run_dir
-
-
-def _refused(argv, capsys) -> str:
-    """plot.main(argv) must give status 2 and one line 'error: ...' on stderr; returns the line."""
-    capsys.readouterr()
-    try:
-        rc = plot.main(argv)
-    except SystemExit as e:  # argparse's errors
-        rc = e.code
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert rc == 2 and "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
 
 
 def test_read_metrics_fills_validation_tokens(tmp_path):
@@ -73,25 +60,25 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     out = str(tmp_path / "curves.png")
     missing = tmp_path / "nothing"
     missing.mkdir()
-    assert f"{missing / 'metrics.jsonl'} not found" in _refused([str(missing), "--out", out], capsys)
+    assert f"{missing / 'metrics.jsonl'} not found" in refused(plot.main, [str(missing), "--out", out], capsys)
 
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "metrics.jsonl").write_text("")
-    assert f"{empty / 'metrics.jsonl'} is empty" in _refused([str(empty), "--out", out], capsys)
+    assert f"{empty / 'metrics.jsonl'} is empty" in refused(plot.main, [str(empty), "--out", out], capsys)
 
     bad = _write_run(tmp_path / "bad")
     with open(bad / "metrics.jsonl", "a") as f:
         f.write('{"step": 31, "loss": 4.2, "lr"\n')
-    assert f"{bad / 'metrics.jsonl'} line 34:" in _refused([str(bad), "--out", out], capsys)
+    assert f"{bad / 'metrics.jsonl'} line 34:" in refused(plot.main, [str(bad), "--out", out], capsys)
 
-    assert "no run directories" in _refused(["--out", out], capsys)
-    assert "--smooth" in _refused([str(bad), "--out", out, "--smooth", "0"], capsys)
+    assert "no run directories" in refused(plot.main, ["--out", out], capsys)
+    assert "--smooth" in refused(plot.main, [str(bad), "--out", out, "--smooth", "0"], capsys)
     assert not (tmp_path / "curves.png").exists()
 
 
 def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    line = _refused([str(_write_run(tmp_path / "a")), "--out", str(tmp_path / "c.png")], capsys)
+    line = refused(plot.main, [str(_write_run(tmp_path / "a")), "--out", str(tmp_path / "c.png")], capsys)
     assert line == f"error: {plot.MATPLOTLIB_MISSING}"
