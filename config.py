@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Literal
 
 import cli
@@ -111,22 +112,37 @@ def compute_dtype(train: TrainConfig, device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def parse_config(argv: list[str] | None = None, description: str = "") -> Config:
-    """Config from --config FILE and --section.field overrides; ConfigError on bad input, SystemExit(0) on --help."""
+def parse_config(argv: list[str] | None = None, description: str = "", require_file: bool = False) -> Config:
+    """Config from --config FILE and --section.field overrides; ConfigError on bad input, SystemExit(0) on --help.
+
+    require_file: refuse a command line without --config (the defaults alone are a 179M-parameter
+    GPU run, which nobody means to start by forgetting a flag).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    if require_file and not any(a == "--config" or a.startswith("--config=") for a in args) \
+            and "--help" not in args and "-h" not in args:
+        raise ConfigError("--config FILE.toml is required (the defaults alone are a 179M-parameter GPU run); "
+                          "start with --config configs/debug.toml")
     return cli.parse_args(Config, argv, presets={"model": PRESETS}, description=description)
 
 
-def check_tokenizer(tok, where: str, model: ModelArgs) -> None:
-    """Raise SetupError if tokenizer tok (loaded from where) does not fit model.vocab_size, or, with
-    model.document_mask, its [EOT] id is not model.eot_id (documents would not be found)."""
-    if tok.get_vocab_size() > model.vocab_size:
+def check_tokenizer(path: str, model: ModelArgs, vocab_size: int | None = None) -> None:
+    """Raise SetupError (or DataError for an unreadable file) if the tokenizer.json at path does not fit
+    model.vocab_size, or, with model.document_mask, its [EOT] id is not model.eot_id (documents would not
+    be found). vocab_size: its size when known (a prepared corpus' meta.json); the file is then read
+    only for the [EOT] check."""
+    tok = load_tokenizer(path) if vocab_size is None or model.document_mask else None
+    vocab_size = tok.get_vocab_size() if vocab_size is None else vocab_size
+    if vocab_size > model.vocab_size:
         raise SetupError(
-            f"tokenizer '{where}' has {tok.get_vocab_size()} tokens but model.vocab_size is {model.vocab_size}; "
+            f"tokenizer '{path}' has {vocab_size} tokens but model.vocab_size is {model.vocab_size}; "
             f"raise model.vocab_size or use a smaller tokenizer (data.tokenizer_vocab_size)"
         )
+    if not model.document_mask:
+        return
     eot = tok.token_to_id(EOT)
-    if model.document_mask and eot != model.eot_id:
-        raise SetupError(f"tokenizer '{where}' has {EOT} at id {eot} but model.eot_id is {model.eot_id}; "
+    if eot != model.eot_id:
+        raise SetupError(f"tokenizer '{path}' has {EOT} at id {eot} but model.eot_id is {model.eot_id}; "
                          f"set --model.eot_id {eot} so document_mask finds the documents")
 
 
@@ -155,7 +171,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")
     check_source(d)
     if d.tokenizer:
-        check_tokenizer(load_tokenizer(d.tokenizer), d.tokenizer, cfg.model)
+        check_tokenizer(d.tokenizer, cfg.model)
     elif d.tokenizer_vocab_size > cfg.model.vocab_size:
         raise SetupError(
             f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "

@@ -28,6 +28,11 @@ def has_tp(mesh: DeviceMesh | None) -> bool:
     return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
 
 
+def applied_chunk_size(mesh: DeviceMesh | None, loss_chunk_size: int) -> int:
+    """train.loss_chunk_size as applied on mesh: 0 (full logits, vocabulary-parallel) when it has "tp"."""
+    return 0 if has_tp(mesh) else loss_chunk_size
+
+
 def loss_context(mesh: DeviceMesh | None):
     """The context the loss and its backward run in: loss_parallel when mesh has a "tp" dimension, else none."""
     return loss_parallel if has_tp(mesh) else contextlib.nullcontext

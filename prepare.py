@@ -286,8 +286,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("prepare", "tokenizer"):  # `prepare` is the default; `python data.py prepare` had it
         command, argv = argv[0], argv[1:]
     try:
-        if not any(a == "--config" or a.startswith("--config=") for a in argv):
-            raise ConfigError("--config FILE.toml is required; e.g. --config configs/debug.toml")
         out = None
         if command == "tokenizer":
             argv = [piece for a in argv for piece in (a.split("=", 1) if a.startswith("--out=") else [a])]
@@ -298,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             del argv[i:i + 2]
             if os.path.lexists(out):
                 raise ConfigError(f"--out '{out}' exists; choose a path that does not (nothing is overwritten)")
-        cfg = parse_config(argv, __doc__)
+        cfg = parse_config(argv, __doc__, require_file=True)
         check_source(cfg.data)
         if command == "tokenizer":
             tok = train_tokenizer(iter_documents(cfg.data), cfg.data.tokenizer_vocab_size,

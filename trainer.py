@@ -33,7 +33,7 @@ from checkpoint import (
 from config import Config, check_tokenizer, compute_dtype, parse_config, validate
 from data import DataState, GlobalBatchLoader, PackedCorpus, val_batches
 from errors import SetupError, TrainingError, UserError, report
-from loss import has_tp, loss_context, scalar, token_loss_sum
+from loss import applied_chunk_size, has_tp, loss_context, scalar, token_loss_sum
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import Transformer, flops_per_token, num_params
 from optim import build_optimizer
@@ -41,7 +41,6 @@ from parallelize import TPPlan, build_mesh, build_model, copy_sharded
 from prepare import prepare_on_all_ranks
 from profiling import StepProfiler, parse_steps
 from progress import Progress
-from tokenizer import load_tokenizer
 
 # ---------------------------------------------------------------- the step
 
@@ -58,7 +57,7 @@ def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device,
     summed token loss, a 0-dim fp32 tensor on device (no host sync).
     """
     loss_sum = torch.zeros((), device=device)
-    context, chunk = loss_context(mesh), 0 if has_tp(mesh) else loss_chunk_size
+    context, chunk = loss_context(mesh), applied_chunk_size(mesh, loss_chunk_size)
     for i, (inputs, labels) in enumerate(micro_batches):
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per step
         with context():
@@ -96,7 +95,7 @@ def validation_loss(model, batches, device, mesh: DeviceMesh, loss_chunk_size: i
     """Mean token loss over every data-parallel rank's batches (each rank must get as many batches)."""
     model.eval()
     total = torch.zeros(2, device=device, dtype=torch.float64)
-    chunk = 0 if has_tp(mesh) else loss_chunk_size
+    chunk = applied_chunk_size(mesh, loss_chunk_size)
     with loss_context(mesh)():
         for inputs, labels in batches:
             total[0] += scalar(token_loss_sum(model, inputs.to(device), labels.to(device), chunk)).double()
@@ -150,7 +149,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
         meta = prepare_on_all_ranks(cfg.data, data_dir)
     except UserError as e:
         raise SetupError(str(e)) from None
-    check_tokenizer(load_tokenizer(meta["tokenizer"]), meta["tokenizer"], cfg.model)
+    check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"])
     corpus = PackedCorpus(data_dir, cfg.data)
     micro = cfg.train.micro_batch(dp)
     data_state = DataState()
@@ -363,12 +362,7 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
     description: the --help text's head.
     """
     try:
-        args = sys.argv[1:] if argv is None else argv
-        if not any(a == "--config" or a.startswith("--config=") for a in args) and "--help" not in args \
-                and "-h" not in args:
-            raise SetupError("--config FILE.toml is required (the defaults alone are a 179M-parameter GPU run); "
-                             "start with --config configs/debug.toml")
-        cfg = parse_config(argv, description)
+        cfg = parse_config(argv, description, require_file=True)
         check_run(cfg, distributed.world_size(), tp_plan, check_layout)
         return 130 if run(cfg, tp_plan) == signal.SIGINT else 0
     except UserError as e:

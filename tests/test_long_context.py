@@ -102,3 +102,18 @@ def test_chunked_loss_never_holds_more_than_one_chunk_of_logits_and_recomputes_n
     logits = [s for s in mode.shapes if s[1] == 50]
     assert logits == [(16, 50), (16, 50), (8, 50)]  # one per chunk, never (40, 50), none recomputed
     assert mode.shapes.count((50, 16)) == 3  # the weight's gradient, accumulated chunk by chunk
+
+
+def test_a_tokenizer_whose_eot_is_elsewhere_is_refused_with_the_fix(tmp_path):
+    from config import check_tokenizer
+    from errors import SetupError
+    from tokenizer import train_tokenizer
+
+    path = str(tmp_path / "tokenizer.json")
+    train_tokenizer(["some text to learn from"] * 5, 300, 10_000).save(path)  # [EOT] is id 2
+    check_tokenizer(path, ModelArgs(**{**ARGS, "vocab_size": 300, "document_mask": True}))
+    check_tokenizer(path, ModelArgs(**{**ARGS, "vocab_size": 300, "eot_id": 5}), vocab_size=300)  # no mask: fine
+    with pytest.raises(SetupError, match=r"\[EOT\] at id 2 but model.eot_id is 5; set --model.eot_id 2"):
+        check_tokenizer(path, ModelArgs(**{**ARGS, "vocab_size": 300, "document_mask": True, "eot_id": 5}), 300)
+    with pytest.raises(SetupError, match=r"has 2\d\d tokens but model.vocab_size is 97"):
+        check_tokenizer(path, ModelArgs(**ARGS))
