@@ -31,6 +31,7 @@ import distributed
 from config import check_run_dir, parse_config
 from data import DataConfig, DataError, read_meta
 from errors import ConfigError, UserError, report
+from progress import duration
 from sources import check_source, iter_documents, source_units
 from tokenizer import EOT, load_tokenizer, train_tokenizer
 
@@ -97,7 +98,7 @@ class _ProgressLines:
             self.last, elapsed = now, now - self.t0
             eta = elapsed / self.units * max(0, self.mine - self.units)
             print(f"[data] rank 0: {self.units}/{self.mine} units, {self.docs:,} documents, {self.tokens:,} tokens, "
-                  f"{self.tokens / max(elapsed, 1e-9):,.0f} tokens/s, {'ETA ' + f'{eta:.0f} s' if eta else 'done'}",
+                  f"{self.tokens / max(elapsed, 1e-9):,.0f} tokens/s, {'ETA ' + duration(eta) if eta else 'done'}",
                   flush=True)
 
 

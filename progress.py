@@ -12,7 +12,7 @@ import time
 from tqdm import tqdm
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     """4000 -> '1h06m40s'; 75 -> '1m15s'."""
     seconds = int(seconds)
     h, rest = divmod(seconds, 3600)
@@ -48,7 +48,7 @@ class Progress:
         per_step = (time.perf_counter() - self._t0) / max(1, step - self._first)
         print(f"step {step}/{self.total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"{record['tokens_per_sec']:,.0f} tok/s | MFU {record['mfu']:.1%} | "
-              f"ETA {_duration(per_step * (self.total - step))}", flush=True)
+              f"ETA {duration(per_step * (self.total - step))}", flush=True)
 
     def write(self, text: str) -> None:
         if self.enabled:
