@@ -16,15 +16,17 @@ import os
 import sys
 from typing import Literal
 
+import torch
+
 import cli
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from data import DataConfig
-from distributed import resolve_device
+from distributed import local_world_size, resolve_device
 from errors import ConfigError, SetupError
 from metrics import MetricsConfig
 from model import PRESETS, ModelArgs
 from optim import OptimConfig
-from parallelize import ParallelConfig
+from parallelize import ParallelConfig, check_layout
 from profiling import parse_steps
 from sources import check_source
 from tokenizer import EOT, load_tokenizer
@@ -60,6 +62,8 @@ class TrainConfig:
     """Profile these 1-based steps on rank 0, e.g. '10-12': a Chrome/Perfetto trace (and on CUDA a memory snapshot) in RUN_DIR/profile/ (empty: off)."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the output projection + cross-entropy, recomputed in backward, so the full (tokens x vocab) logits never exist (0: off). Not applied with parallel.tp > 1, where the logits are already split over the vocabulary (loss_parallel)."""
+    collective_timeout_s: float = 300.0
+    """Seconds a collective of the training loop waits for a peer rank from step 2 on; then this rank stops with one line naming the step (a hung or lost peer). Start-up and step 1 (compilation) wait up to 30 minutes, data preparation up to 24 hours."""
 
     def __post_init__(self) -> None:
         if self.steps <= 0:
@@ -71,6 +75,8 @@ class TrainConfig:
         for name in ("val_interval", "val_batches", "micro_batch_size", "loss_chunk_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
         parse_steps(self.profile_steps)
 
     def micro_batch(self, dp: int) -> int:
@@ -155,9 +161,7 @@ def validate(cfg: Config, world_size: int) -> None:
     source, a tokenizer larger than the model's vocabulary, an unwritable run directory.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
-    if world_size % tp:
-        raise SetupError(f"world size {world_size} is not divisible by parallel.tp ({tp}); launch a multiple of "
-                         f"{tp} processes or change parallel.tp")
+    check_layout(cfg.parallel, world_size, local_world_size())
     dp = world_size // tp
     g, micro = t.global_batch_size, t.micro_batch(dp)
     if not t.micro_batch_size and (g <= 0 or g % dp):  # the user set only the global batch
@@ -169,6 +173,9 @@ def validate(cfg: Config, world_size: int) -> None:
     device = resolve_device(t.device)
     if cfg.parallel.cpu_offload and device.type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")
+    if device.type == "cuda" and local_world_size() > torch.cuda.device_count():
+        raise SetupError(f"{local_world_size()} processes on this node (LOCAL_WORLD_SIZE) but {torch.cuda.device_count()} "
+                         f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")
     check_source(d)
     if d.tokenizer:
         check_tokenizer(d.tokenizer, cfg.model)

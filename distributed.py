@@ -1,6 +1,7 @@
 """The process group and the small collective helpers every command shares.
 
-torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) decides the layout;
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT)
+decides the layout, on one node or many: nothing assumes that RANK equals LOCAL_RANK;
 a plain ``python`` run is one rank on a free port. CUDA runs get NCCL for CUDA tensors plus
 gloo for CPU ones; CPU runs get gloo.
 """
@@ -14,10 +15,14 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 
 from errors import SetupError, UserError
 
+STARTUP_TIMEOUT = datetime.timedelta(minutes=30)
+"""Timeout of every collective until the loop's first step is done (loading, compiling); then
+train.collective_timeout_s applies (set_collective_timeout)."""
 LONG_TIMEOUT = datetime.timedelta(hours=24)
 """Timeout of the groups that tokenize a corpus: it can outlast the default 30 minutes. A hung
 peer is still caught, because torchrun stops every rank when one fails."""
@@ -26,6 +31,16 @@ peer is still caught, because torchrun stops every rank when one fails."""
 def world_size() -> int:
     """WORLD_SIZE from torchrun's environment (1 for a plain python run)."""
     return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_world_size() -> int:
+    """LOCAL_WORLD_SIZE from torchrun's environment: the ranks on this node (WORLD_SIZE when unset)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
+def local_rank() -> int:
+    """LOCAL_RANK from torchrun's environment: this rank's index on its node (0 when unset)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
@@ -58,14 +73,63 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port())
-    dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)))
+    dev = resolve_device(device, local_rank())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    dist.init_process_group(backend=backend, store=_attempt_store(world), rank=rank, world_size=world,
+                            timeout=STARTUP_TIMEOUT)
     return rank, world, dev
+
+
+def _attempt_store(world: int):
+    """The store the process group meets in: torchrun's, under a prefix of its own for each restart.
+
+    By default torchrun's workers share the agent's rendezvous TCPStore (TORCHELASTIC_USE_AGENT_STORE),
+    and it outlives a restart: the keys gloo and NCCL publish their addresses under would still
+    hold the dead workers' values, so a restarted rank could connect to a dead peer and fail or
+    hang in init_process_group (pytorch/pytorch#135712). TORCHELASTIC_RESTART_COUNT keeps each
+    attempt's keys apart. Across nodes the agents count restarts each for itself, so
+    multi-node launches also set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (scripts/slurm_train.sh),
+    which gives every attempt a new store. None (init_process_group's env:// store) otherwise.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=STARTUP_TIMEOUT)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Bound every later collective of every process group this rank is in to `seconds` (gloo and NCCL).
+
+    A gloo collective that waits longer raises RuntimeError on this rank (see peer_failure); NCCL's
+    watchdog ends the process. torch has no public setter for a live group's timeout; this is
+    the private one torchtitan uses, applied to every group (world, mesh dimensions, flattened
+    and checkpoint groups), since sub-groups do not inherit the world group's timeout.
+    """
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)
+
+
+_PEER_SIGNS = {
+    "Timed out waiting": "stopped answering",  # gloo: a peer is alive but not calling the collective
+    "Connection closed by peer": "closed its connection (it died or was killed)",
+    "Connection reset by peer": "closed its connection (it died or was killed)",
+    "Connection refused": "closed its connection (it died or was killed)",
+}
+
+
+def peer_failure(e: BaseException) -> str:
+    """What a collective's error says a peer rank did ('stopped answering', ...), or '' for any other error."""
+    if isinstance(e, RuntimeError):  # torch.distributed.DistError is one too
+        for sign, what in _PEER_SIGNS.items():
+            if sign in str(e):
+                return what
+    return ""
 
 
 def finish_distributed() -> None:

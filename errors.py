@@ -29,6 +29,10 @@ class TrainingError(UserError):
     """The run cannot go on (e.g. a non-finite gradient); the message says at which step and why."""
 
 
+class PeerError(TrainingError):
+    """A peer rank stopped answering or died; raised only on the ranks that saw it, so each reports it."""
+
+
 def report(e: UserError) -> None:
     """Tell the user about e once: 'error: <message>' on stderr from rank 0 (or a lone process).
 
@@ -36,10 +40,11 @@ def report(e: UserError) -> None:
     found later reach every rank as the same message (distributed.on_rank0, DCP's gathered
     failures), so rank 0 speaks for all. Under torchrun every rank also writes the message
     to its elastic error file (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic's format),
-    so torchrun's failure summary shows it, including for a rank that alone failed.
+    so torchrun's failure summary shows it, including for a rank that alone failed. A
+    PeerError is printed by every rank that raised it: rank 0 may be the one that hung.
     """
     message = f"error: {e}".replace("\n", "\\n")  # a newline inside a name must not split the line
-    if int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", 0)) == 0 or isinstance(e, PeerError):
         print(message, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:

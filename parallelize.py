@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from errors import ConfigError
+from errors import ConfigError, SetupError
 from model import ModelArgs, Transformer
 
 TPPlan = dict[str, ParallelStyle]
@@ -33,6 +33,8 @@ TPPlan = dict[str, ParallelStyle]
 class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree (train_2d.py only; train_fsdp.py needs 1)."""
+    dp_replicate: int = 1
+    """HSDP: data-parallel replicas; parameters are sharded over the world / (dp_replicate x tp) ranks of a replica and replicated across replicas (1: plain FSDP). Set it to the number of nodes to keep FSDP's all-gathers inside a node."""
     reshard_after_forward: bool = True
     """Free each block's gathered parameters after its forward (ZeRO-3); false keeps them until backward (ZeRO-2 like)."""
     prefetch: int = 1
@@ -43,19 +45,85 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        if self.dp_replicate < 1:
+            raise ConfigError(f"parallel.dp_replicate must be >= 1, got {self.dp_replicate}")
         if self.prefetch < 1:
             raise ConfigError(f"parallel.prefetch must be >= 1, got {self.prefetch}")
 
 
-def build_mesh(device: torch.device, world_size: int, tp: int = 1) -> DeviceMesh:
-    """The device mesh (collective): ("dp",) of world_size, or ("dp", "tp") of (world_size / tp, tp) when tp > 1.
+def check_layout(cfg: ParallelConfig, world_size: int, local_world_size: int) -> None:
+    """The mesh's layout checks, before any collective: raises SetupError naming the numbers and the fix.
 
-    Consecutive ranks form a TP group, so with torchrun's rank order a TP group stays inside
-    one node. The caller has checked that tp divides world_size.
+    world_size and local_world_size are torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE (ranks of
+    this node). The ranks must split into dp_replicate x dp_shard x tp; a TP group (the
+    ranks that communicate in every layer) must not span nodes, which with torchrun's
+    node-by-node rank order means tp divides the ranks of a node.
     """
+    tp, rep = cfg.tp, cfg.dp_replicate
+    if world_size % tp:
+        raise SetupError(f"world size {world_size} is not divisible by parallel.tp ({tp}); launch a multiple of "
+                         f"{tp} processes or change parallel.tp")
+    if (world_size // tp) % rep:
+        dp = world_size // tp
+        raise SetupError(f"parallel.dp_replicate ({rep}) does not divide the {dp} data-parallel rank(s) (world size "
+                         f"{world_size} / parallel.tp {tp}); use a divisor of {dp} (the number of nodes is usual) "
+                         f"or launch a multiple of {rep * tp} processes")
+    if local_world_size % tp:
+        raise SetupError(f"parallel.tp ({tp}) does not divide the {local_world_size} process(es) of this node "
+                         f"(LOCAL_WORLD_SIZE), so a TP group would span nodes; use a parallel.tp that divides "
+                         f"--nproc_per_node")
+
+
+def shard_group_note(cfg: ParallelConfig, world_size: int, local_world_size: int) -> str:
+    """A notice when each FSDP shard group spans nodes (its all-gathers then cross the slow links), else ''."""
+    group = world_size // cfg.dp_replicate  # dp_shard x tp consecutive ranks
+    if group <= local_world_size or world_size <= local_world_size:
+        return ""
+    nodes = world_size // local_world_size
+    return (f"[train] notice: each FSDP shard group spans {group} ranks, more than the {local_world_size} of a "
+            f"node, so parameters are all-gathered across nodes every step; --parallel.dp_replicate {nodes} "
+            f"(the number of nodes) keeps them inside a node (HSDP)")
+
+
+def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate: int = 1) -> DeviceMesh:
+    """The device mesh (collective), with a "dp" dimension over every data-parallel rank.
+
+    ("dp",) of world_size, or ("dp", "tp") of (world_size / tp, tp) when tp > 1. With
+    dp_replicate > 1 (HSDP) the data-parallel ranks split into ("dp_replicate", "dp_shard")
+    (then "tp"), and dp_mesh(mesh) is those two flattened: the loader, validation and the loss
+    scaling see one data-parallel group whatever the layout. Consecutive ranks form a TP group, then a
+    shard group, so with torchrun's rank order (node by node) both stay inside a node when
+    their sizes divide the node's ranks. The caller has checked that tp x dp_replicate
+    divides world_size.
+    """
+    dp = world_size // tp
+    if dp_replicate > 1:
+        names, shape = ("dp_replicate", "dp_shard"), (dp_replicate, dp // dp_replicate)
+    else:
+        names, shape = ("dp",), (dp,)
     if tp > 1:
-        return init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+        names, shape = names + ("tp",), shape + (tp,)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    dp_mesh(mesh)  # creates the flattened group now, while every rank is here
+    return mesh
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh over every data-parallel rank: "dp", or with HSDP "dp_replicate" x "dp_shard" flattened.
+
+    The loader's rank and size, validation's and the logged loss's reductions use it. The
+    flattened mesh is created once (by build_mesh, collectively) and cached by DeviceMesh.
+    """
+    if "dp_replicate" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh["dp"]
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh fully_shard takes: ("dp_replicate", "dp_shard") for HSDP (shard, then all-reduce across replicas), else ("dp",)."""
+    if "dp_replicate" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp"]
 
 
 def selective_policy(ctx, op, *args, **kwargs):
@@ -73,7 +141,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
 
     dtype: 'bfloat16' (mixed precision: bf16 compute, fp32 master weights and gradient
     reductions) or 'float32'. activation_checkpointing: 'none', 'full' or 'selective' (keep
-    matmul outputs). FSDP2 shards over the mesh's "dp" dimension.
+    matmul outputs). FSDP2 shards over the mesh's "dp" dimension, or with HSDP over "dp_shard"
+    and replicates over "dp_replicate" (see fsdp_mesh).
     """
     if "tp" in (mesh.mesh_dim_names or ()):
         # src_data_rank=None: nothing is copied; init_weights fills the shards afterwards.
@@ -86,7 +155,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
                                                                       selective_policy))
         if compile:
             block.compile()
-    kwargs = dict(mesh=mesh["dp"], reshard_after_forward=cfg.reshard_after_forward,
+    kwargs = dict(mesh=fsdp_mesh(mesh), reshard_after_forward=cfg.reshard_after_forward,
                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
     if dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

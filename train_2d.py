@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc_per_node=N train_2d.py --config configs/debug.toml --run_dir DIR --parallel.tp T
 
-The mesh is ("dp", "tp") of shape (N / T, T); consecutive ranks form a TP group, so with
-torchrun's rank order a TP group stays inside one node. Each block is split by the plan
-below (Megatron-style column/row-parallel linears, sequence-parallel norms and residual
-stream), then parallelize.py shards the result with ``fully_shard`` on the "dp" sub-mesh,
+The mesh is ("dp", "tp") of shape (N / T, T), or with --parallel.dp_replicate R (HSDP)
+("dp_replicate", "dp_shard", "tp") of (R, N / (R T), T); consecutive ranks form a TP group,
+so with torchrun's node-by-node rank order a TP group stays inside one node (checked against
+LOCAL_WORLD_SIZE). Each block is split by the plan below (Megatron-style column/row-parallel
+linears, sequence-parallel norms and residual stream), then parallelize.py shards the result
+with ``fully_shard`` on the data-parallel sub-mesh,
 and trainer.py runs the same loop as train_fsdp.py (with ``loss_parallel`` on the
 vocabulary-sharded logits); checkpoints hold the same keys as train_fsdp.py's and load
 into either.
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
@@ -60,9 +61,8 @@ def check_tp_layout(cfg: Config, world_size: int) -> None:
 
     Raises SetupError, naming the numbers and the fix, when a size the plan splits evenly
     over the TP ranks is not divisible by parallel.tp (model.n_heads, model.n_kv_heads,
-    model.ffn_dim, data.seq_len), or, on CUDA, when parallel.tp exceeds the GPUs of one node
-    (a TP group communicates in every layer and must not span nodes). world_size is checked
-    against parallel.tp by config.validate.
+    model.ffn_dim, data.seq_len). The mesh's own checks (world size, a TP group inside a
+    node) are parallelize.check_layout's, run by config.validate.
     """
     tp, m = cfg.parallel.tp, cfg.model
     # Left unchecked, each of these fails only later, inside a collective or a matmul on one rank.
@@ -79,13 +79,6 @@ def check_tp_layout(cfg: Config, world_size: int) -> None:
                 f"{name} ({size}) is not divisible by parallel.tp ({tp}): {why}; use parallel.tp in {valid} "
                 f"or change {name}"
             )
-    # Without any visible GPU, config.validate reports the device instead.
-    on_cuda = cfg.train.device != "cpu" and torch.cuda.is_available()
-    if on_cuda and tp > torch.cuda.device_count():
-        raise SetupError(
-            f"parallel.tp ({tp}) is larger than the {torch.cuda.device_count()} GPU(s) of this node; a TP group "
-            f"must stay inside one node: use parallel.tp <= {torch.cuda.device_count()}"
-        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,10 @@
     torchrun --standalone --nproc_per_node=N train_fsdp.py --config configs/debug.toml --run_dir DIR
 
 Every rank holds a 1/N shard of each parameter, gradient and optimizer state; each block's
-parameters are gathered for its forward and backward. Running the same command again
+parameters are gathered for its forward and backward. With --parallel.dp_replicate R (HSDP,
+for R nodes) the mesh is ("dp_replicate", "dp_shard"): parameters are sharded over the N / R
+ranks of a node and replicated across nodes, so the all-gathers stay inside a node and only
+the gradients' all-reduce crosses nodes. Running the same command again
 resumes from the newest complete checkpoint in DIR/checkpoints, at any world size.
 `--help` lists every config field. The loop itself is trainer.py's.
 """

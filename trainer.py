@@ -27,17 +27,18 @@ from checkpoint import (
     TrainState,
     check_compatible,
     check_same_config,
+    complete_checkpoints,
     lock_run_dir,
     saved_config,
 )
 from config import Config, check_tokenizer, compute_dtype, parse_config, validate
 from data import DataState, GlobalBatchLoader, PackedCorpus, val_batches
-from errors import SetupError, TrainingError, UserError, report
+from errors import PeerError, SetupError, TrainingError, UserError, report
 from loss import applied_chunk_size, has_tp, loss_context, scalar, token_loss_sum
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import Transformer, flops_per_token, num_params
 from optim import build_optimizer
-from parallelize import TPPlan, build_mesh, build_model, copy_sharded
+from parallelize import TPPlan, build_mesh, build_model, copy_sharded, dp_mesh, shard_group_note
 from prepare import prepare_on_all_ranks
 from profiling import StepProfiler, parse_steps
 from progress import Progress
@@ -101,7 +102,7 @@ def validation_loss(model, batches, device, mesh: DeviceMesh, loss_chunk_size: i
             total[0] += scalar(token_loss_sum(model, inputs.to(device), labels.to(device), chunk)).double()
             total[1] += labels.numel()
     model.train()
-    dist.all_reduce(total, group=mesh["dp"].get_group())
+    dist.all_reduce(total, group=dp_mesh(mesh).get_group())
     return (total[0] / total[1]).item()
 
 
@@ -139,8 +140,8 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     tp_plan: train_2d.py's plan, used when cfg.parallel.tp > 1. Raises SetupError (on every
     rank) for bad data or a checkpoint that does not fit the model.
     """
-    mesh = build_mesh(device, world_size, cfg.parallel.tp)
-    dp = mesh["dp"].size()
+    mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate)
+    dp = dp_mesh(mesh).size()
     torch.manual_seed(cfg.train.seed)
 
     # Data: all ranks tokenize their share of the corpus into the run directory, then map it.
@@ -153,7 +154,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     corpus = PackedCorpus(data_dir, cfg.data)
     micro = cfg.train.micro_batch(dp)
     data_state = DataState()
-    loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, mesh["dp"].get_local_rank(), dp,
+    loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, dp_mesh(mesh).get_local_rank(), dp,
                                cfg.train.seed, data_state)
 
     t = cfg.train
@@ -236,14 +237,14 @@ def train(s: Session) -> int:
     peak_total = peak.item()
     log = MetricsLog(cfg.run_dir, rank == 0, train_state.step, cfg.metrics.tensorboard)
     val = val_batches(s.corpus, cfg.train.val_batches * cfg.train.global_batch_size, s.micro_batch_size,
-                      mesh["dp"].get_local_rank(), dp)
+                      dp_mesh(mesh).get_local_rank(), dp)
     if rank == 0:
         print(start_line(s, fpt), flush=True)
 
     stop = distributed.StopFlag()
     progress = Progress(cfg.train.steps, train_state.step, rank == 0)
     profiler = StepProfiler(parse_steps(cfg.train.profile_steps), cfg.run_dir, device, rank == 0)
-    stopped_by = 0
+    stopped_by, start_step = 0, train_state.step
     t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
     while train_state.step < cfg.train.steps:
         profiler.before_step(train_state.step + 1)
@@ -261,6 +262,8 @@ def train(s: Session) -> int:
         train_state.step += 1
         train_state.tokens_seen += n_targets
         step = train_state.step
+        if step == start_step + 1:  # compiled and warmed up: from now on a slow collective means a lost peer
+            distributed.set_collective_timeout(cfg.train.collective_timeout_s)
         progress.step()
         ckpt.poll()
         trace = profiler.after_step(step)
@@ -268,7 +271,7 @@ def train(s: Session) -> int:
             progress.write(f"[profile] steps {cfg.train.profile_steps}: {trace}")
 
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
-            dist.all_reduce(loss_sum, group=mesh["dp"].get_group())
+            dist.all_reduce(loss_sum, group=dp_mesh(mesh).get_group())
             grad_norm = norm.item()
             tps = (train_state.tokens_seen - tokens_last) / (time.perf_counter() - t_last)
             record = {"step": step, "loss": loss_sum.item() / n_targets, "lr": lr, "grad_norm": grad_norm,
@@ -329,6 +332,9 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
         except hf.HFError as e:
             raise SetupError(f"--init_from_hf: {e}") from None
     validate(cfg, world_size)
+    note = shard_group_note(cfg.parallel, world_size, distributed.local_world_size())
+    if note and int(os.environ.get("RANK", 0)) == 0:
+        print(note, flush=True)
     device = distributed.resolve_device(cfg.train.device)
     cfg.train.dtype = compute_dtype(cfg.train, device)  # the resolved dtype is what config.toml records
     if cfg.train.dtype == "bfloat16" and device.type == "cpu" and not distributed.cpu_has_native_bf16() \
@@ -337,12 +343,30 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
               "amx_bf16): expect it 3-8x slower than --train.dtype float32", flush=True)
 
 
+def peer_message(cfg: Config, where: str, rank: int, why: str) -> str:
+    """The one line a rank prints when a peer rank hung or died: where, what, what is safe, what to do."""
+    found = complete_checkpoints(os.path.join(cfg.run_dir, "checkpoints"))
+    timeout = f" for train.collective_timeout_s ({cfg.train.collective_timeout_s:g} s)" if "answering" in why else ""
+    return (f"{where}: rank {rank}: a peer rank {why}{timeout}; the newest complete checkpoint is "
+            f"{found[-1][1] if found else 'none yet'}; see the other ranks' output for the cause, then run the same "
+            f"command to resume (torchrun --max-restarts N restarts and resumes by itself)")
+
+
 def run(cfg: Config, tp_plan: TPPlan | None = None) -> int:
     """Train as configured (called under torchrun on every rank, after check_run); returns train()'s result."""
     lock = lock_run_dir(cfg.run_dir) if int(os.environ.get("RANK", 0)) == 0 else None
     try:
         rank, world_size, device = distributed.init_distributed(cfg.train.device)
-        stopped_by = train(build(cfg, rank, world_size, device, tp_plan))
+        session = None
+        try:
+            session = build(cfg, rank, world_size, device, tp_plan)
+            stopped_by = train(session)
+        except RuntimeError as e:
+            why = distributed.peer_failure(e)
+            if not why:
+                raise
+            where = f"after step {session.train_state.step}" if session else "during start-up"
+            raise PeerError(peer_message(cfg, where, rank, why)) from e
         distributed.finish_distributed()
         return stopped_by
     finally:

@@ -118,7 +118,7 @@ class OursStep:
             self.model = parallelize.build_model(cfg.model, mesh, device, t.seed, cfg.parallel, **opts)
         self.optimizer, self.scheduler = optim.build_optimizer(self.model, cfg.optim, t.steps,
                                                                fused=not cfg.parallel.cpu_offload)
-        self.dp = mesh["dp"].size()
+        self.dp = parallelize.dp_mesh(mesh).size()
         self.n_targets = t.global_batch_size * cfg.data.seq_len
 
     def forward_backward(self, micro_batches):
@@ -314,7 +314,7 @@ def run_worker(args, rest) -> dict:
     set_vs_ours(res)
     base = res["variants"]["ours"]["tokens_per_sec"]["median"]
     if args.loader_seconds > 0:
-        rate = loader_rate(cfg, mesh["dp"].get_local_rank(), world, args.loader_seconds)
+        rate = loader_rate(cfg, parallelize.dp_mesh(mesh).get_local_rank(), world, args.loader_seconds)
         r = torch.tensor([rate], dtype=torch.float64)
         dist.all_reduce(r, op=dist.ReduceOp.MIN)
         consumed = base / world

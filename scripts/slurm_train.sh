@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Multi-node training under SLURM: one torchrun per node, c10d rendezvous on the first node.
-#   sbatch --nodes=4 scripts/slurm_train.sh train_fsdp.py configs/llama_125m.toml /shared/runs/125m
+# Multi-node training under SLURM: one torchrun agent per node, c10d rendezvous on the first node.
+#   sbatch --nodes=4 scripts/slurm_train.sh train_fsdp.py configs/llama_125m.toml /shared/runs/125m --parallel.dp_replicate 4
 #   sbatch --nodes=2 scripts/slurm_train.sh train_2d.py configs/llama3_8b_2d.toml /shared/runs/8b
-# The run directory must be on a filesystem that every node sees. Resubmitting the same job
-# resumes from the newest complete checkpoint; SLURM's SIGTERM before a preemption or the time
-# limit makes every rank finish its step, save and exit (--signal asks for it 120 s early).
+#   scripts/slurm_train.sh --dry-run SCRIPT CONFIG RUN_DIR [...]   prints the command instead of running it
+# The run directory must be on a filesystem that every node sees. torchrun restarts the whole
+# group up to MAX_RESTARTS times when a rank dies or hangs (train.collective_timeout_s), and the
+# trainer resumes from the newest complete checkpoint by itself; so does resubmitting the job.
+# SLURM's SIGTERM before a preemption or the time limit makes every rank finish its step, save
+# and exit (--signal asks for it 120 s early).
+# Environment: NPROC_PER_NODE (default: SLURM_GPUS_ON_NODE, else 8), RDZV_PORT (29500),
+# MAX_RESTARTS (3), HEAD_NODE (default: the first host of SLURM_JOB_NODELIST).
 #SBATCH --job-name=llama-pretrain
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
@@ -12,13 +17,29 @@
 #SBATCH --signal=TERM@120
 #SBATCH --output=%x-%j.out
 set -euo pipefail
-SCRIPT=${1:?usage: slurm_train.sh SCRIPT CONFIG RUN_DIR [--section.field value ...]}
+DRY_RUN=0
+if [[ "${1:-}" == "--dry-run" ]]; then
+    DRY_RUN=1
+    shift
+fi
+SCRIPT=${1:?usage: slurm_train.sh [--dry-run] SCRIPT CONFIG RUN_DIR [--section.field value ...]}
 CONFIG=${2:?config file}
 RUN_DIR=${3:?run directory}
 shift 3
-HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-GPUS_PER_NODE=${SLURM_GPUS_ON_NODE:-8}
-srun --kill-on-bad-exit=1 torchrun \
-    --nnodes="$SLURM_NNODES" --nproc_per_node="$GPUS_PER_NODE" \
-    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:29500" --rdzv-id="$SLURM_JOB_ID" \
-    "$SCRIPT" --config "$CONFIG" --run_dir "$RUN_DIR" "$@"
+HEAD_NODE=${HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+# --rdzv-backend c10d: the agents meet on HEAD_NODE and number the nodes themselves, so every
+# node runs this same line (no --node_rank); each worker gets RANK, LOCAL_RANK and LOCAL_WORLD_SIZE.
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: every restart gets a new store, so no restarted worker reads a
+# dead one's address (the agents count restarts each for itself; pytorch/pytorch#135712).
+CMD=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun
+    --nnodes="$SLURM_NNODES" --nproc_per_node="$NPROC_PER_NODE"
+    --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:${RDZV_PORT:-29500}" --rdzv-id="$SLURM_JOB_ID"
+    --max-restarts="${MAX_RESTARTS:-3}"
+    "$SCRIPT" --config "$CONFIG" --run_dir "$RUN_DIR" "$@")
+if [[ $DRY_RUN == 1 ]]; then
+    printf '%q ' srun --kill-on-bad-exit=1 "${CMD[@]}"
+    echo
+else
+    srun --kill-on-bad-exit=1 "${CMD[@]}"
+fi

@@ -8,3 +8,37 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from launch import DEBUG, GRAD_STEPS, REFERENCE_ARGS, debug_run, prepared_data_dir, torchrun  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory):
+    """worker(nproc, tp, *overrides): tests/grad_worker.py's result over GRAD_STEPS steps, run once per session."""
+    cache = {}
+
+    def get(nproc: int, tp: int, *overrides: str) -> dict:
+        key = (nproc, tp, *overrides)
+        if key not in cache:
+            rd = tmp_path_factory.mktemp(f"grads_{nproc}_tp{tp}")
+            prepared_data_dir(rd)
+            out = rd / "result.pt"
+            torchrun(nproc, "tests/grad_worker.py", "--out", str(out), "--tp", str(tp), "--config", DEBUG,
+                     "--run_dir", str(rd), "--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000",
+                     "--train.val_interval", "0", *overrides, timeout=240)
+            cache[key] = torch.load(out)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """An uninterrupted run with REFERENCE_ARGS on 2 ranks that keeps every checkpoint (steps 2, 4, ... 10)."""
+    ref = tmp_path_factory.mktemp("ref")
+    prepared_data_dir(ref)
+    debug_run(2, ref, *REFERENCE_ARGS, "--checkpoint.keep", "0")
+    return ref

@@ -31,6 +31,7 @@ import distributed  # noqa: E402
 import train_2d  # noqa: E402
 import trainer  # noqa: E402
 from config import parse_config  # noqa: E402
+from parallelize import dp_mesh  # noqa: E402
 
 
 def replica_spread(model, tp_mesh) -> dict[str, float]:
@@ -69,7 +70,7 @@ def main() -> None:
     for _ in range(cfg.train.steps):
         loss_sum = trainer.forward_backward(s.model, s.loader.next_step(), n_targets, s.dp, device, s.mesh,
                                             cfg.train.loss_chunk_size)
-        dist.all_reduce(loss_sum, group=s.mesh["dp"].get_group())
+        dist.all_reduce(loss_sum, group=dp_mesh(s.mesh).get_group())
         result["losses"].append(loss_sum.item() / n_targets)
         # clone: on one rank full_tensor() may share storage with the gradient, which clipping scales in place
         result["grads"].append({name: p.grad.full_tensor().detach().float().cpu().clone()

@@ -7,29 +7,100 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import prepare
 from config import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "debug.toml")
+GRAD_STEPS = 3
+"""Steps of the conftest `worker` fixture's runs (tests/grad_worker.py)."""
+REFERENCE_ARGS = ["--train.steps", "10", "--train.seed", "0", "--checkpoint.interval", "2", "--train.val_interval", "0"]
+"""Overrides of the conftest `reference` run (2 ranks), which kill and resume tests repeat."""
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: bool = True,
-             env: dict | None = None) -> subprocess.CompletedProcess:
-    """torchrun --standalone --nproc_per_node=nproc ROOT/script args; returns the finished process.
+             env: dict | None = None, launcher: tuple[str, ...] = ("--standalone",)) -> subprocess.CompletedProcess:
+    """torchrun LAUNCHER --nproc_per_node=nproc ROOT/script args; returns the finished process.
 
     Raises AssertionError with the output's tail if check and the exit status is not 0,
     and subprocess.TimeoutExpired (after killing the process group) past timeout seconds.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(ROOT, script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env,
+    proc = subprocess.run(torchrun_command(nproc, script, *args, launcher=launcher), cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                           start_new_session=True)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc
+
+
+def torchrun_command(nproc: int, script: str, *args: str, launcher: tuple[str, ...] = ("--standalone",)) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}",
+            os.path.join(ROOT, script), *map(str, args)]
+
+
+def spawn(cmd: list[str], log_path, env: dict | None = None) -> subprocess.Popen:
+    """Start cmd in a session of its own, stdout and stderr into log_path; the caller waits (with a timeout)."""
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def workers(agent_pid: int) -> dict[int, int]:
+    """{RANK: pid} of the live worker processes under a torchrun agent (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = {}, [agent_pid]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            if b"TORCHELASTIC_RESTART_COUNT" in env and b"RANK" in env:
+                found[int(env[b"RANK"])] = pid
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Block until run_dir/metrics.jsonl has a train record of step >= step; AssertionError if proc ends first."""
+    deadline = time.time() + timeout
+    path = os.path.join(str(run_dir), "metrics.jsonl")
+    while time.time() < deadline:
+        if os.path.exists(path) and any(r.get("step", 0) >= step and "loss" in r for r in _records(path)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before step {step}")
+        time.sleep(0.01)
+    raise AssertionError(f"step {step} was not reached in {timeout} s")
+
+
+def _records(path) -> list[dict]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written
+                pass
+    return out
 
 
 def debug_run(nproc: int, run_dir: str, *overrides: str, script: str = "train_fsdp.py", **kw):

@@ -11,34 +11,15 @@ import torch
 import distributed
 import train_2d
 from config import parse_config
-from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir, torchrun
+from launch import DEBUG, GRAD_STEPS, ROOT, debug_run, losses, metrics, prepared_data_dir
 from model import PRESETS, ModelArgs, Transformer
 
-STEPS = 3
+STEPS = GRAD_STEPS  # of the conftest `worker` fixture
 FAST = ["--checkpoint.interval", "1000", "--train.val_interval", "0"]
 LOSS_RTOL = 1e-5
 # Per-tensor relative L2 error of a whole gradient; reduction order alone gives ~2e-6 here,
 # a gradient missing a reduction over TP or DP is off by O(1).
 GRAD_RTOL = 2e-5
-
-
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    """worker(nproc, tp, *overrides): tests/grad_worker.py's result over STEPS steps, run once per module."""
-    cache = {}
-
-    def get(nproc: int, tp: int, *overrides: str) -> dict:
-        key = (nproc, tp, *overrides)
-        if key not in cache:
-            rd = tmp_path_factory.mktemp(f"grads_{nproc}_tp{tp}")
-            prepared_data_dir(rd)
-            out = rd / "result.pt"
-            torchrun(nproc, "tests/grad_worker.py", "--out", str(out), "--tp", str(tp), "--config", DEBUG,
-                     "--run_dir", str(rd), "--train.steps", str(STEPS), *FAST, *overrides, timeout=240)
-            cache[key] = torch.load(out)
-        return cache[key]
-
-    return get
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +64,7 @@ def rel(a: float, b: float) -> float:
 
 CHUNKED = ("--train.loss_chunk_size", "100")  # 16 x 128 tokens a step: 21 chunks, the last one short
 DOCMASK = ("--model.document_mask", "true")
+HSDP = ("--parallel.dp_replicate", "2")
 
 
 @pytest.mark.parametrize("nproc, tp, overrides, reference", [
@@ -97,8 +79,12 @@ DOCMASK = ("--model.document_mask", "true")
     # Document masking: every layout trains as one process with the same mask.
     (2, 1, DOCMASK, DOCMASK),
     (2, 2, DOCMASK, DOCMASK),
+    # HSDP: sharded inside a replica, all-reduced across replicas; the norm must not count replicas twice.
+    (4, 1, (), ()),
+    (4, 1, HSDP, ()),
+    (4, 2, HSDP, ()),
 ], ids=["fsdp2", "dp1xtp2_accumulating", "dp2xtp2", "chunked_ws1_accumulating", "chunked_fsdp2_accumulating",
-        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2"])
+        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2"])
 @pytest.mark.slow
 def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, overrides, reference):
     ref, got = worker(1, 1, *reference), worker(nproc, tp, *overrides)
@@ -128,23 +114,29 @@ def test_replicated_norm_weights_stay_identical_across_tp_ranks(worker):
     assert all(v == 0.0 for v in spread.values()), spread
 
 
+LAYOUTS = {  # name: (ranks, script, overrides)
+    "fsdp2": (2, "train_fsdp.py", ()),
+    "hsdp2x2": (4, "train_fsdp.py", HSDP),
+    "dp2xtp2": (4, "train_2d.py", ("--parallel.tp", "2")),
+}
+# Each layout saves and the next resumes: every ordered pair of different layouts occurs once.
+CHAIN = ["fsdp2", "hsdp2x2", "dp2xtp2", "fsdp2", "dp2xtp2", "hsdp2x2", "fsdp2"]
+
+
 @pytest.mark.slow
-def test_checkpoints_continue_the_run_from_fsdp_to_2d_and_back(tmp_path, worker):
-    # One step each: train_fsdp.py on 1 rank, train_2d.py on dp2 x tp2 resuming from it, then
-    # train_fsdp.py on 1 rank resuming from the 2D checkpoint; DCP reshards at every change.
+def test_checkpoints_move_between_fsdp_hsdp_and_2d_and_continue_the_run(tmp_path, reference):
+    # One step per link in one run directory; DCP reshards at every change of layout and world size.
     rd = tmp_path / "run"
     prepared_data_dir(rd)
-    for step, (nproc, script, tp) in enumerate([(1, "train_fsdp.py", 1), (4, "train_2d.py", 2),
-                                                (1, "train_fsdp.py", 1)], start=1):
-        tp_args = ["--parallel.tp", str(tp)] if tp > 1 else []
+    for step, name in enumerate(CHAIN, start=1):
+        nproc, script, overrides = LAYOUTS[name]
         # All steps are in the LR warmup, so the schedule does not depend on train.steps.
         debug_run(nproc, rd, "--train.steps", str(step), "--checkpoint.interval", "1", "--train.val_interval", "0",
-                  *tp_args, script=script, timeout=240)
-    assert [r["step"] for r in metrics(rd) if "loss" in r] == [1, 2, 3]  # each run resumed, none restarted
-    uninterrupted = worker(1, 1)["losses"]
-    got = losses(rd)
-    for step in (1, 2, 3):
-        assert rel(got[step], uninterrupted[step - 1]) <= LOSS_RTOL, f"step {step}"
+                  *overrides, script=script, timeout=240)
+    assert [r["step"] for r in metrics(rd) if "loss" in r] == list(range(1, len(CHAIN) + 1))  # each run resumed
+    uninterrupted, got = losses(reference), losses(rd)
+    for step, name in enumerate(CHAIN, start=1):
+        assert rel(got[step], uninterrupted[step]) <= LOSS_RTOL, f"step {step} ({name}, resumed from the previous)"
 
 
 BAD_LAYOUTS = [
@@ -174,14 +166,37 @@ def test_bad_layout_fails_before_the_process_group(monkeypatch, capsys, tmp_path
     assert not rd.exists()  # checked before config.validate, which creates the run directory
 
 
-def test_tp_larger_than_the_node_fails(monkeypatch, capsys, tmp_path):
+def test_more_ranks_than_gpus_on_a_node_fails(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     rc = train_2d.main(["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--train.device", "cuda",
                         "--parallel.tp", "2"])
     err = capsys.readouterr().err
-    assert rc == 2 and "parallel.tp (2) is larger than the 1 GPU(s) of this node" in err, err
+    assert rc == 2 and "2 processes on this node (LOCAL_WORLD_SIZE) but 1 visible GPU(s)" in err, err
+
+
+@pytest.mark.parametrize("env, args, expected", [
+    # Two nodes of one rank each: a TP group of 2 would span them.
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, ["--parallel.tp", "2"],
+     "parallel.tp (2) does not divide the 1 process(es) of this node (LOCAL_WORLD_SIZE)"),
+    ({"WORLD_SIZE": "1"}, ["--parallel.dp_replicate", "2"],
+     "parallel.dp_replicate (2) does not divide the 1 data-parallel rank(s) (world size 1 / parallel.tp 1)"),
+    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, ["--parallel.tp", "2", "--parallel.dp_replicate", "4"],
+     "parallel.dp_replicate (4) does not divide the 2 data-parallel rank(s) (world size 4 / parallel.tp 2)"),
+    ({"WORLD_SIZE": "4"}, ["--parallel.dp_replicate", "0"], "parallel.dp_replicate must be >= 1, got 0"),
+])
+def test_bad_mesh_fails_before_the_process_group(monkeypatch, capsys, tmp_path, env, args, expected):
+    def reached(*args, **kwargs):
+        raise AssertionError("the process group was being created: the layout was not checked first")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", reached)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = train_2d.main(["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and expected in err, err
 
 
 def test_cli_exits_2_without_waiting_for_peers(tmp_path):

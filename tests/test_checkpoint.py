@@ -17,7 +17,7 @@ import checkpoint as ckpt_lib
 import distributed
 import trainer
 from config import parse_config
-from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir
+from launch import DEBUG, REFERENCE_ARGS, ROOT, debug_run, losses, metrics, prepared_data_dir
 
 
 @pytest.fixture(scope="module")
@@ -160,16 +160,7 @@ def _files(rd):
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(rd) for f in fs if f != ".lock")
 
 
-COMMON = ["--train.steps", "10", "--train.seed", "0", "--checkpoint.interval", "2", "--train.val_interval", "0"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted 10-step run on 2 ranks that keeps every checkpoint (steps 2, 4, ... 10)."""
-    ref = tmp_path_factory.mktemp("ref")
-    prepared_data_dir(ref)
-    debug_run(2, ref, *COMMON, "--checkpoint.keep", "0")
-    return ref
+COMMON = REFERENCE_ARGS  # the conftest `reference` run's
 
 
 def _kill_after(rd, nproc, step, sig, *extra):

@@ -1,0 +1,52 @@
+"""train_fsdp.py with one injected fault, for the restart tests: a rank SIGKILLs itself during a checkpoint save.
+
+    FAULT=RANK:STEP:WHEN torchrun --max-restarts=1 ... tests/fault_worker.py <train_fsdp.py's arguments>
+
+WHEN is 'write': rank RANK dies as the save of step STEP starts, while its peers are inside
+DCP's save waiting for it; or 'commit': rank RANK (0 commits) dies after every shard and the
+metadata of step STEP are written, before the checkpoint is renamed into place. Only the first
+attempt (TORCHELASTIC_RESTART_COUNT 0) is faulted, so torchrun's restart runs clean.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import checkpoint  # noqa: E402
+import train_fsdp  # noqa: E402
+
+
+def die_at(rank: int, step: int, when: str) -> None:
+    """Patch checkpoint.Checkpointer so that this process SIGKILLs itself at the given point."""
+    if int(os.environ["RANK"]) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    name = checkpoint.step_dir("", step)
+    if when == "write":
+        save = checkpoint.dcp.save
+
+        def dying_save(state, checkpoint_id, **kw):
+            if os.path.basename(checkpoint_id) == name + ".tmp":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return save(state, checkpoint_id=checkpoint_id, **kw)
+
+        checkpoint.dcp.save = dying_save
+    elif when == "commit":
+        commit = checkpoint.Checkpointer._commit
+
+        def dying_commit(self, tmp, final):
+            if os.path.basename(final) == name:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return commit(self, tmp, final)
+
+        checkpoint.Checkpointer._commit = dying_commit
+    else:
+        raise ValueError(f"FAULT: WHEN must be 'write' or 'commit', got {when!r}")
+
+
+if __name__ == "__main__":
+    rank, step, when = os.environ["FAULT"].split(":")
+    die_at(int(rank), int(step), when)
+    sys.exit(train_fsdp.main())

@@ -1,0 +1,65 @@
+"""A real multi-node launch on one machine: scripts/slurm_train.sh's own command, started twice as
+SLURM's srun would start it on two nodes (two torchrun agents meeting in a c10d rendezvous, each
+with two workers: RANK differs from LOCAL_RANK), trains the same run as one process and as one
+agent with four workers."""
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+import distributed
+from launch import DEBUG, GRAD_STEPS, ROOT, losses, prepared_data_dir, spawn
+
+FAST = ["--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000", "--train.val_interval", "0"]
+
+
+def slurm_command(script: str, run_dir, *args: str, nodes: int = 2, nproc_per_node: int = 2) -> list[str]:
+    """The command scripts/slurm_train.sh --dry-run builds for each node, with a free rendezvous port here."""
+    env = {**os.environ, "SLURM_NNODES": str(nodes), "SLURM_JOB_ID": "4242", "HEAD_NODE": "127.0.0.1",
+           "RDZV_PORT": str(distributed.free_port()), "NPROC_PER_NODE": str(nproc_per_node)}
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_train.sh"), "--dry-run", script, DEBUG,
+                          str(run_dir), *args], capture_output=True, text=True, env=env, timeout=30, check=True)
+    return shlex.split(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_slurm_script_builds_one_rendezvous_command_for_every_node(tmp_path):
+    cmd = slurm_command("train_2d.py", tmp_path / "my run", "--parallel.tp", "2")
+    assert cmd[:2] == ["srun", "--kill-on-bad-exit=1"]
+    torchrun = cmd[cmd.index("torchrun"):]
+    assert torchrun[1:6] == ["--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                             torchrun[4], "--rdzv-id=4242"] and torchrun[4].startswith("--rdzv-endpoint=127.0.0.1:")
+    assert not any(a.startswith("--node_rank") for a in torchrun)  # the rendezvous numbers the nodes
+    assert torchrun[-7:] == ["train_2d.py", "--config", DEBUG, "--run_dir", str(tmp_path / "my run"),
+                             "--parallel.tp", "2"]
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_train.sh"), "--dry-run"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and "usage: slurm_train.sh" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, overrides, one_agent", [
+    # HSDP: a replica per node
+    ("train_fsdp.py", ("--parallel.dp_replicate", "2"), (4, 1, "--parallel.dp_replicate", "2")),
+    ("train_2d.py", ("--parallel.tp", "2"), (4, 2)),  # a TP group per node, FSDP across
+], ids=["hsdp_2nodes", "2d_2nodes"])
+def test_two_agents_as_two_nodes_train_the_same_run_as_one(tmp_path, worker, script, overrides, one_agent):
+    rd = tmp_path / "run"
+    prepared_data_dir(rd)
+    cmd = slurm_command(script, rd, *FAST, *overrides)
+    cmd = cmd[cmd.index("--kill-on-bad-exit=1") + 1:]  # what srun runs on each node
+    cmd[cmd.index("torchrun"):cmd.index("torchrun") + 1] = [sys.executable, "-m", "torch.distributed.run"]
+    nodes = [spawn(cmd, tmp_path / f"node{i}.log") for i in range(2)]
+    try:
+        rcs = [p.wait(timeout=300) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    logs = [(tmp_path / f"node{i}.log").read_text() for i in range(2)]
+    assert rcs == [0, 0], "\n".join(log[-2000:] for log in logs)
+    got = losses(rd)
+    for name, ref in [("1 process", worker(1, 1)), ("1 agent of 4 workers", worker(*one_agent))]:
+        for step, want in enumerate(ref["losses"], start=1):
+            assert abs(got[step] - want) / want <= 1e-5, f"step {step} vs {name}"

@@ -1,0 +1,94 @@
+"""Runs that survive a dead or a hung rank: torchrun --max-restarts restarts the group and the run
+resumes by itself to the uninterrupted run's losses and weights; a hung peer stops the others
+within train.collective_timeout_s with one line, its last checkpoint intact."""
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from checkpoint import complete_checkpoints, read_model_weights
+from launch import (
+    DEBUG,
+    REFERENCE_ARGS,
+    alive,
+    debug_run,
+    losses,
+    metrics,
+    prepared_data_dir,
+    spawn,
+    torchrun_command,
+    wait_for_step,
+    workers,
+)
+from model import PRESETS, ModelArgs, Transformer
+
+STEPS = 10  # REFERENCE_ARGS's; checkpoints every 2 steps
+RESTART = ("--standalone", "--max-restarts=1")
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    sd = Transformer(ModelArgs(**PRESETS["debug"])).state_dict()
+    read_model_weights(complete_checkpoints(os.path.join(str(run_dir), "checkpoints"))[-1][1], sd)
+    return sd
+
+
+def assert_same_run(rd, reference):
+    """rd logged each step once, with the reference's losses, and ends with the reference's weights."""
+    assert [r["step"] for r in metrics(rd) if "loss" in r] == list(range(1, STEPS + 1))
+    want, got = losses(reference), losses(rd)
+    worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    assert worst <= 1e-6, f"max relative loss difference {worst:.2e}"
+    ref_weights, weights = final_weights(reference), final_weights(rd)
+    assert all(torch.equal(weights[k], v) for k, v in ref_weights.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigkill", "1:6:write", "0:6:commit"],
+                         ids=["sigkill_at_a_random_step", "in_the_save_of_step_6", "after_writing_step_6"])
+def test_a_killed_rank_is_restarted_and_the_run_resumes_by_itself(tmp_path, reference, fault):
+    rd = tmp_path / "run"
+    prepared_data_dir(rd)
+    args = ["--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS]
+    if fault == "sigkill":  # from outside, as the OOM killer or a lost GPU would
+        proc = spawn(torchrun_command(2, "train_fsdp.py", *args, launcher=RESTART), tmp_path / "log.txt")
+        kill_step = random.Random().randint(3, 8)
+        wait_for_step(rd, kill_step, proc)
+        os.kill(workers(proc.pid)[1], signal.SIGKILL)
+    else:  # from inside a checkpoint save: see tests/fault_worker.py
+        proc = spawn(torchrun_command(2, "tests/fault_worker.py", *args, launcher=RESTART), tmp_path / "log.txt",
+                     env={"FAULT": fault})
+    rc = proc.wait(timeout=300)
+    log = (tmp_path / "log.txt").read_text()
+    assert rc == 0, log[-3000:]
+    assert "resumed from" in log, f"{fault}: the restarted group did not resume:\n{log[-3000:]}"
+    assert_same_run(rd, reference)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_stops_its_peers_within_the_timeout_and_its_checkpoint_resumes(tmp_path, reference):
+    rd, timeout_s = tmp_path / "run", 5
+    prepared_data_dir(rd)
+    proc = spawn(torchrun_command(2, "train_fsdp.py", "--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS,
+                                  "--train.collective_timeout_s", str(timeout_s)), tmp_path / "log.txt")
+    wait_for_step(rd, 3, proc)
+    ranks = workers(proc.pid)
+    os.kill(ranks[1], signal.SIGSTOP)  # alive, holding its connections, answering nothing
+    stopped = time.monotonic()
+    while alive(ranks[0]) and time.monotonic() - stopped < 120:
+        time.sleep(0.05)
+    waited = time.monotonic() - stopped
+    os.kill(ranks[1], signal.SIGKILL)  # torchrun would wait 30 s for the stopped rank's SIGTERM
+    proc.wait(timeout=120)
+    assert waited <= timeout_s + 20, f"rank 0 exited {waited:.1f} s after its peer stopped"
+    errors = [line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank 0: a peer rank stopped answering for train.collective_timeout_s (5 s)" \
+        in errors[0], errors
+    assert errors[0].startswith("error: after step "), errors
+    # The checkpoint it names is whole: the same command resumes from it to the uninterrupted run.
+    named = errors[0].split("newest complete checkpoint is ")[1].split(";")[0]
+    assert named == complete_checkpoints(str(rd / "checkpoints"))[-1][1]
+    debug_run(2, rd, *REFERENCE_ARGS)
+    assert_same_run(rd, reference)
