@@ -40,6 +40,7 @@ def assert_same_run(rd, reference):
     assert [r["step"] for r in metrics(rd) if "loss" in r] == list(range(1, STEPS + 1))
     want, got = losses(reference), losses(rd)
     worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in want)
+    print(f"max relative loss difference vs the uninterrupted run {worst:.1e}")
     assert worst <= 1e-6, f"max relative loss difference {worst:.2e}"
     ref_weights, weights = final_weights(reference), final_weights(rd)
     assert all(torch.equal(weights[k], v) for k, v in ref_weights.items())
@@ -57,6 +58,7 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes_by_itself(tmp_path, refe
         kill_step = random.Random().randint(3, 8)
         wait_for_step(rd, kill_step, proc)
         os.kill(workers(proc.pid)[1], signal.SIGKILL)
+        print(f"rank 1 SIGKILLed once step {kill_step} was logged")
     else:  # from inside a checkpoint save: see tests/fault_worker.py
         proc = spawn(torchrun_command(2, "tests/fault_worker.py", *args, launcher=RESTART), tmp_path / "log.txt",
                      env={"FAULT": fault})
@@ -64,6 +66,7 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes_by_itself(tmp_path, refe
     log = (tmp_path / "log.txt").read_text()
     assert rc == 0, log[-3000:]
     assert "resumed from" in log, f"{fault}: the restarted group did not resume:\n{log[-3000:]}"
+    print(fault, "->", log[log.index("resumed from"):].split("|")[0].strip())
     assert_same_run(rd, reference)
 
 
@@ -82,6 +85,7 @@ def test_a_hung_rank_stops_its_peers_within_the_timeout_and_its_checkpoint_resum
     waited = time.monotonic() - stopped
     os.kill(ranks[1], signal.SIGKILL)  # torchrun would wait 30 s for the stopped rank's SIGTERM
     proc.wait(timeout=120)
+    print(f"rank 0 exited {waited:.1f} s after rank 1 was stopped (collective_timeout_s {timeout_s})")
     assert waited <= timeout_s + 20, f"rank 0 exited {waited:.1f} s after its peer stopped"
     errors = [line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "rank 0: a peer rank stopped answering for train.collective_timeout_s (5 s)" \
