@@ -1,11 +1,12 @@
-"""train_fsdp.py with one injected fault, for the restart tests: a rank SIGKILLs itself during a checkpoint save.
+"""train_fsdp.py with injected faults, for the restart tests: a rank SIGKILLs itself during a checkpoint save.
 
-    FAULT=RANK:STEP:WHEN torchrun --max-restarts=1 ... tests/fault_worker.py <train_fsdp.py's arguments>
+    FAULT=RANK:STEP:WHEN[,RANK:STEP:WHEN ...] torchrun --max-restarts=N ... tests/fault_worker.py <train_fsdp.py's arguments>
 
-WHEN is 'write': rank RANK dies as the save of step STEP starts, while its peers are inside
-DCP's save waiting for it; or 'commit': rank RANK (0 commits) dies after every shard and the
-metadata of step STEP are written, before the checkpoint is renamed into place. Only the first
-attempt (TORCHELASTIC_RESTART_COUNT 0) is faulted, so torchrun's restart runs clean.
+The i-th fault applies to attempt i (TORCHELASTIC_RESTART_COUNT i), so each restart meets the
+next one and the last attempt runs clean. WHEN is 'write': rank RANK dies as the save of step
+STEP starts, while its peers are inside DCP's save waiting for it; or 'commit': rank RANK
+(0 commits) dies after every shard and the metadata of step STEP are written, before the
+checkpoint is renamed into place.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import train_fsdp  # noqa: E402
 
 def die_at(rank: int, step: int, when: str) -> None:
     """Patch checkpoint.Checkpointer so that this process SIGKILLs itself at the given point."""
-    if int(os.environ["RANK"]) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if int(os.environ["RANK"]) != rank:
         return
     name = checkpoint.step_dir("", step)
     if when == "write":
@@ -47,6 +48,9 @@ def die_at(rank: int, step: int, when: str) -> None:
 
 
 if __name__ == "__main__":
-    rank, step, when = os.environ["FAULT"].split(":")
-    die_at(int(rank), int(step), when)
+    faults = os.environ["FAULT"].split(",")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt < len(faults):
+        rank, step, when = faults[attempt].split(":")
+        die_at(int(rank), int(step), when)
     sys.exit(train_fsdp.main())
