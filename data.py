@@ -1,15 +1,16 @@
-"""The reading side of the data: packed token windows and the global-cursor batch loader.
+"""The reading side of the data: the config, packed token windows, the global-cursor mixture loader.
 
-A run's data directory (written by prepare.py) holds one flat token stream, ``tokens.bin``:
-every document followed by one ``[EOT]``. It is cut into windows of ``seq_len + 1`` tokens
-at stride ``seq_len`` (inputs ``w[:-1]``, labels ``w[1:]``), so no padding is ever trained
-on and every token after the first is a target exactly once per epoch; only the stream's
-last partial window is left out. The last ``val_fraction`` of the windows is held out.
+A run's data directory (written by prepare.py) holds one flat token stream per source
+(``sources/<name>-<key>.bin``, uint16 or uint32 as meta.json says): every document followed
+by one ``[EOT]``. Each is cut into windows of ``seq_len + 1`` tokens at stride ``seq_len``
+(inputs ``w[:-1]``, labels ``w[1:]``), so no padding is ever trained on and every token
+after the first is a target exactly once per epoch; only the stream's last partial window
+is left out. The last ``val_fraction`` of each source's windows is held out.
 
-Determinism across world sizes: the loader keeps one global sample cursor. The global
-batch of step k is samples ``[k*B, (k+1)*B)`` of the epoch's seeded permutation, whatever
-the world size; data-parallel rank r takes the r-th contiguous slice. The cursor is the
-only state a checkpoint needs.
+Determinism across world sizes: the loader keeps a global position (DataState: samples and
+batches drawn, and each source's count). The global batch of step k is a function of that
+state and the seed alone (mixture.py has the rule), whatever the world size; data-parallel
+rank r takes the r-th contiguous slice. The state is all a checkpoint needs.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class DataError(UserError):
     """Bad data input: the message names the field or file and the fix."""
 
 
-SOURCE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 DEFAULT_SOURCE = "default"
 """The name of the one source that data.dataset describes when no [[data.sources]] are given."""
 # Reading fields a [[data.sources]] table may set; unset, each takes the [data] field of that name.
@@ -44,7 +45,7 @@ class SourceConfig:
     """One [[data.sources]] table: a named document source and its weight in the mixture."""
 
     name: str = ""
-    """Name of the source (letters, digits, '_', '.', '-'): metrics keys val_loss/<name>, tokens/<name> and stage weights use it."""
+    """Name of the source (letters, digits, '_', '-'): metrics keys val_loss/<name>, tokens/<name> and stage weights use it."""
     dataset: str = ""
     """What data.dataset accepts: 'stdlib', a local file, folder or glob (.txt, .jsonl/.json, .parquet, optionally .gz/.zst), or a hub id."""
     weight: float = 1.0
@@ -65,7 +66,7 @@ class SourceConfig:
     def __post_init__(self) -> None:
         if not SOURCE_NAME.match(self.name):
             raise ConfigError(f"data.sources: name {self.name!r} is not a name; give each [[data.sources]] table "
-                              f"name = \"...\" of letters, digits, '_', '.' or '-'")
+                              f"name = \"...\" of letters, digits, '_' or '-'")
         if not self.dataset:
             raise ConfigError(f"data.sources[{self.name}].dataset is empty; give 'stdlib', a local file, folder or "
                               f"glob, or a hub id")
@@ -295,6 +296,17 @@ class PackedCorpus:
         self.n_tokens = sum(s.n_tokens for s in self.sources)
         self.n_documents = sum(s.n_documents for s in self.sources)
 
+    def describe(self) -> str:
+        """The mixture for the start-up line: ' | mixture code 0.75 (400 docs), docs 0.25 (400 docs); from step
+        5: ...', or '' for one source."""
+        if len(self.sources) < 2:
+            return ""
+        docs = [f"{s.n_documents:,} docs" for s in self.sources]
+        stages = [", ".join(f"{n} {w:g}" + (f" ({d})" if start == 0 else "") for n, w, d in zip(self.names, ws, docs))
+                  for start, ws in self.schedule]
+        return " | mixture " + "; ".join(f"after step {start}: {text}" if start else text
+                                         for (start, _), text in zip(self.schedule, stages))
+
     def sample(self, index: int, source: int = 0) -> np.ndarray:
         """Window index of source number `source` (see SourceTokens.sample)."""
         return self.sources[source].sample(index)
@@ -304,6 +316,24 @@ class PackedCorpus:
         pairs = list(pairs)
         return [inputs_labels(torch.from_numpy(np.stack([self.sample(i, s) for s, i in pairs[k:k + micro_batch_size]])))
                 for k in range(0, len(pairs), micro_batch_size)]
+
+
+def mixture_note(saved: dict, cfg: DataConfig) -> str:
+    """What a resume changes in the mixture, for the start-up line ('' if nothing): weights or stages.
+
+    saved: the [data] table of the checkpoint's config.toml. Allowed: every source keeps its
+    own position (DataState.source_samples); a new source starts at its beginning.
+    """
+    then = {s.get("name"): s.get("weight", 1.0) for s in saved.get("sources", [])} or {DEFAULT_SOURCE: 1.0}
+    now = {s.name: s.weight for s in cfg.source_list()}
+    stages_then = [(s.get("start_step"), s.get("weights")) for s in saved.get("stages", [])]
+    stages_now = [(s.start_step, s.weights) for s in cfg.stages]
+    notes = []
+    if then != now:
+        notes.append(f"data.sources weights {then} -> {now}")
+    if stages_then != stages_now:
+        notes.append(f"data.stages {stages_then} -> {stages_now}")
+    return "; ".join(notes) + (" (each source continues from its own position)" if notes else "")
 
 
 # ---------------------------------------------------------------- the loader
