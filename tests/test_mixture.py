@@ -1,0 +1,287 @@
+"""Data mixtures: largest-remainder counts, the same global batches at any world size across a
+stage change, per-source epochs, exact resume from the state alone, per-source preparation that
+re-uses what is prepared, plain-text encoding of special-token strings, compressed inputs, bad input."""
+import copy
+import dataclasses
+import gzip
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import mixture
+import prepare
+import sources
+import tokenizer
+from cli import to_toml
+from config import parse_config
+from data import DataConfig, DataError, DataState, GlobalBatchLoader, PackedCorpus, SourceConfig, StageConfig
+from errors import ConfigError
+from launch import DEBUG, refused
+
+WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
+
+
+def _texts(tag: str, n: int) -> list[str]:
+    return [f"{tag} document {i}: " + " ".join(f"{tag}{j % 11}" for j in range(30 + 5 * (i % 9))) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    tokenizer.train_tokenizer(_texts("a", 20) + _texts("b", 20) + _texts("c", 20), 300, 10**6).save(str(root / "t.json"))
+    return str(root / "t.json")
+
+
+def _jsonl(path, texts, column="text"):
+    path.write_text("".join(json.dumps({column: t}) + "\n" for t in texts))
+    return str(path)
+
+
+def _mixture_cfg(tmp, tok, stages=(), seq_len=8, **weights) -> DataConfig:
+    sizes = {"a": 60, "b": 25, "c": 8}  # c is small: it runs through several epochs
+    srcs = [SourceConfig(name=n, dataset=_jsonl(tmp / f"{n}.jsonl", _texts(n, sizes[n])), weight=w)
+            for n, w in (weights or WEIGHTS).items()]
+    return DataConfig(tokenizer=tok, seq_len=seq_len, val_fraction=0.1, sources=srcs,
+                      stages=[StageConfig(s, w) for s, w in stages])
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, tok_path):
+    """A prepared 3-source mixture whose weights change after 7 steps."""
+    tmp = tmp_path_factory.mktemp("three")
+    cfg = _mixture_cfg(tmp, tok_path, stages=[(7, {"a": 0.1, "c": 0.9})])
+    prepare.prepare(cfg, str(tmp / "data"))
+    return cfg, PackedCorpus(str(tmp / "data"), cfg)
+
+
+def test_largest_remainder_against_hand_counts():
+    assert mixture.largest_remainder(16, [0.75, 0.25]) == [12, 4]
+    assert mixture.largest_remainder(10, [1, 1, 1]) == [4, 3, 3]  # ties: the lower index first
+    assert mixture.largest_remainder(7, [0.5, 0.3, 0.2]) == [4, 2, 1]  # shares 3.5, 2.1, 1.4
+    assert mixture.largest_remainder(5, [0, 2, 0]) == [0, 5, 0]
+    assert mixture.largest_remainder(3, [0.1] * 10) == [1, 1, 1] + [0] * 7
+
+
+def test_realised_counts_of_50_batches_follow_the_weights(three):
+    cfg, corpus = three
+    ld = GlobalBatchLoader(corpus, 12, 12, 0, 1, seed=3)
+    for step in range(50):
+        weights = WEIGHTS if step < 7 else {"a": 0.1, "b": 0.0, "c": 0.9}
+        counts = np.bincount([s for s, _ in ld.rank_indices()], minlength=3)
+        want = np.array([12 * weights[n] / sum(weights.values()) for n in corpus.names])
+        assert counts.sum() == 12 and np.all(np.abs(counts - want) < 1), (step, counts, want)
+        ld.next_step()
+    seen = {n: ld.state.source_samples[n] for n in corpus.names}
+    assert seen == {"a": 7 * 6 + 43 * 1, "b": 7 * 4, "c": 7 * 2 + 43 * 11}  # 3.6 -> 4, 2.4 -> 2; 1.2 -> 1, 10.8 -> 11
+    assert ld.source_tokens() == {f"tokens/{n}": k * cfg.seq_len for n, k in seen.items()}
+
+
+def _step_windows(ld) -> torch.Tensor:
+    return torch.cat([x for x, _ in ld.next_step()])
+
+
+def test_the_same_global_batches_at_1_2_and_3_ranks_across_a_stage_change(three):
+    _, corpus = three
+    ref_ld = GlobalBatchLoader(corpus, 12, 12, 0, 1, seed=0)
+    ref = [_step_windows(ref_ld) for _ in range(20)]
+    for world, micro in ((2, 3), (3, 2)):
+        loaders = [GlobalBatchLoader(corpus, 12, micro, r, world, seed=0) for r in range(world)]
+        for step in range(20):
+            pairs = [p for ld in loaders for p in ld.rank_indices()]
+            assert len(pairs) == 12
+            assert torch.equal(torch.cat([_step_windows(ld) for ld in loaders]), ref[step]), (world, step)
+    # The sources are mixed inside the batch, not laid out source by source.
+    order = [s for s, _ in GlobalBatchLoader(corpus, 12, 12, 0, 1, seed=0).rank_indices()]
+    assert order != sorted(order)
+
+
+def test_resume_from_the_state_alone_at_another_world_size_and_batch_size(three):
+    _, corpus = three
+    ref_ld = GlobalBatchLoader(corpus, 12, 12, 0, 1, seed=0)
+    ref = [_step_windows(ref_ld) for _ in range(14)]
+    for stop in (6, 7, 8):  # just before, at and just after the stage change (after 7 steps)
+        ld = GlobalBatchLoader(corpus, 12, 6, 1, 2, seed=0)
+        for _ in range(stop):
+            ld.next_step()
+        saved = copy.deepcopy(ld.state)
+        resumed = [GlobalBatchLoader(corpus, 12, 4, r, 3, seed=0, state=copy.deepcopy(saved)) for r in range(3)]
+        for step in range(stop, 14):
+            assert torch.equal(torch.cat([_step_windows(x) for x in resumed]), ref[step]), (stop, step)
+    # Another global batch size on resume: every source continues from its own position.
+    ld = GlobalBatchLoader(corpus, 12, 12, 0, 1, seed=0)
+    for _ in range(3):
+        ld.next_step()
+    bigger = GlobalBatchLoader(corpus, 24, 24, 0, 1, seed=0, state=copy.deepcopy(ld.state))
+    firsts = {n: bigger.state.source_samples[n] for n in corpus.names}
+    pairs = bigger.rank_indices()
+    counts = mixture.largest_remainder(24, list(WEIGHTS.values()))
+    for s, n in enumerate(corpus.names):
+        want = [bigger._index(s, g) for g in range(firsts[n], firsts[n] + counts[s])]
+        assert sorted(i for t, i in pairs if t == s) == sorted(want)
+
+
+def test_each_source_runs_its_own_reshuffled_epochs(three):
+    _, corpus = three
+    c = corpus.names.index("c")
+    n = corpus.sources[c].n_train
+    ld = GlobalBatchLoader(corpus, 12, 12, 0, 1, seed=0)
+    first = [ld._index(c, g) for g in range(n)]
+    second = [ld._index(c, g) for g in range(n, 2 * n)]
+    assert sorted(first) == sorted(second) == list(range(n)) and first != second
+    # Its order does not depend on the other sources: the same when it is the only one.
+    alone = DataConfig(tokenizer="x", seq_len=8, sources=[SourceConfig(name="c", dataset="stdlib")])
+    assert mixture.epoch_permutation(n, 0, "c", 1).tolist() == second
+    assert alone.source_list()[0].name == "c"
+
+
+def test_one_source_draws_the_batches_of_the_loader_before_mixtures(tmp_path, tok_path):
+    """Reference: the former rule, samples [k*B, (k+1)*B) of randperm(n_train) seeded with seed + epoch."""
+    cfg = DataConfig(dataset=_jsonl(tmp_path / "a.jsonl", _texts("a", 60)), tokenizer=tok_path, seq_len=8)
+    prepare.prepare(cfg, str(tmp_path / "data"))
+    corpus = PackedCorpus(str(tmp_path / "data"), cfg)
+    n = corpus.n_train
+    perms = [torch.randperm(n, generator=torch.Generator().manual_seed(5 + e)).tolist() for e in range(3)]
+    stream = [i for p in perms for i in p]
+    ld = GlobalBatchLoader(corpus, 16, 16, 0, 1, seed=5)
+    for k in range(2 * n // 16):
+        assert [i for _, i in ld.rank_indices()] == stream[k * 16:(k + 1) * 16]
+        ld.next_step()
+    # A checkpoint of that code held consumed_samples alone: the loader continues from it.
+    old = GlobalBatchLoader(corpus, 16, 8, 1, 2, seed=5, state=DataState(consumed_samples=48))
+    assert [i for _, i in old.rank_indices()] == stream[48 + 8:48 + 16]
+
+
+def test_per_source_preparation_reuses_what_is_prepared(tmp_path, tok_path, capsys):
+    cfg = _mixture_cfg(tmp_path, tok_path)
+    out = str(tmp_path / "data")
+    meta = prepare.prepare(cfg, out)
+    files = {n: os.path.join(out, r["file"]) for n, r in meta["sources"].items()}
+    stamps = {n: os.stat(f).st_mtime_ns for n, f in files.items()}
+    assert {r["dtype"] for r in meta["sources"].values()} == {"uint16"}
+    assert all(os.path.getsize(f) == 2 * meta["sources"][n]["n_tokens"] for n, f in files.items())
+    # Other weights, a stage, and one more source: only the new source is tokenized.
+    more = SourceConfig(name="d", dataset=_jsonl(tmp_path / "d.jsonl", _texts("d", 30)), weight=2)
+    again = DataConfig(tokenizer=tok_path, seq_len=8, val_fraction=0.1,
+                       sources=[dataclasses.replace(s, weight=1.0) for s in cfg.sources] + [more],
+                       stages=[StageConfig(3, {"d": 1.0})])
+    capsys.readouterr()
+    meta2 = prepare.prepare(again, out)
+    said = capsys.readouterr().out
+    assert "tokenizing 1 work unit(s) of 'd'" in said and "of 'a'" not in said
+    assert {n: os.stat(f).st_mtime_ns for n, f in files.items()} == stamps
+    assert set(meta2["sources"]) == {"a", "b", "c", "d"}
+    # The same settings under a new name re-use the file; a source's other settings under its name are refused.
+    renamed = DataConfig(tokenizer=tok_path, seq_len=8, sources=[dataclasses.replace(cfg.sources[0], name="a2")])
+    assert prepare.prepare(renamed, out)["sources"]["a2"]["file"] == meta["sources"]["a"]["file"]
+    changed = DataConfig(tokenizer=tok_path, seq_len=8, sources=[dataclasses.replace(cfg.sources[0], max_documents=3)])
+    with pytest.raises(DataError, match=r"prepared with other data settings \(data.sources\[a\].max_documents: "
+                                        r"0 -> 3\); use a new --run_dir, another source name, or the settings"):
+        prepare.prepare(changed, out)
+
+
+def test_a_tokenizer_trained_here_sees_the_sources_by_weight(tmp_path):
+    cfg = DataConfig(tokenizer_train_chars=3000, sources=[
+        SourceConfig(name="x", dataset=_jsonl(tmp_path / "x.jsonl", ["x" * 100] * 100), weight=3),
+        SourceConfig(name="y", dataset=_jsonl(tmp_path / "y.jsonl", ["y" * 100] * 100), weight=1)])
+    texts = list(prepare.tokenizer_texts(cfg))
+    assert sum(len(t) for t in texts if t[0] == "x") == 2300 and sum(len(t) for t in texts if t[0] == "y") == 800
+
+
+def test_special_token_strings_in_text_are_plain_text(tmp_path):
+    docs = ["the first document", "a doc that mentions [EOT] and [PAD] in its text"]
+    tok = tokenizer.train_tokenizer(docs * 5, 300, 10**6)
+    tok.save(str(tmp_path / "tok.json"))
+    cfg = DataConfig(dataset=_jsonl(tmp_path / "d.jsonl", docs), tokenizer=str(tmp_path / "tok.json"))
+    meta = prepare.prepare(cfg, str(tmp_path / "data"))
+    record = meta["sources"]["default"]
+    stream = np.fromfile(os.path.join(tmp_path, "data", record["file"]), dtype=record["dtype"])
+    special = {name: tok.token_to_id(name) for name in tokenizer.SPECIAL_TOKENS}
+    assert (stream == special["[EOT]"]).sum() == 2 and stream[-1] == special["[EOT]"]
+    assert (stream == special["[PAD]"]).sum() == 0 and (stream == special["[BOT]"]).sum() == 0
+    first_end = int(np.flatnonzero(stream == special["[EOT]"])[0])
+    assert tok.decode(stream[first_end + 1:-1].tolist(), skip_special_tokens=False) == docs[1]
+    # The same encoder for generation prompts and evaluation on another source.
+    assert special["[EOT]"] not in tokenizer.encode_plain(tokenizer.load_tokenizer(str(tmp_path / "tok.json")),
+                                                         ["[EOT] [BOT]"])[0]
+
+
+def test_compressed_inputs_and_txt_document_splitting(tmp_path):
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": f"zipped {i}"}) + "\n" for i in range(3)))
+    one = DataConfig(dataset=str(tmp_path / "a.jsonl.gz")).source_list()[0]
+    assert list(sources.iter_documents(one)) == ["zipped 0", "zipped 1", "zipped 2"]
+    (tmp_path / "txt").mkdir()
+    with gzip.open(tmp_path / "txt" / "b.txt.gz", "wt") as f:
+        f.write("para one\nstill one\n\npara two\n\n\npara three\n")
+    docs = {how: list(sources.iter_documents(
+        DataConfig(dataset=str(tmp_path / "txt" / "b.txt.gz"), txt_documents=how).source_list()[0]))
+        for how in ("file", "blank_line", "line")}
+    assert docs["file"] == ["para one\nstill one\n\npara two\n\n\npara three\n"]
+    assert [d.strip() for d in docs["blank_line"] if d.strip()] == ["para one\nstill one", "para two", "para three"]
+    assert docs["line"] == ["para one", "still one", "para two", "para three"]
+    (tmp_path / "c.txt").write_text("l1\nl2\n")  # uncompressed, split by line
+    assert list(sources.iter_documents(DataConfig(dataset=str(tmp_path / "c.txt"), txt_documents="line")
+                                       .source_list()[0])) == ["l1", "l2"]
+    (tmp_path / "d.jsonl.zst").write_bytes(b"")
+    zst = DataConfig(dataset=str(tmp_path / "d.jsonl.zst"))
+    if importlib.util.find_spec("zstandard") is None:
+        with pytest.raises(DataError, match="'zstandard' is not installed; pip install zstandard"):
+            sources.check_source(zst)
+    else:
+        sources.check_source(zst)
+
+
+def test_sources_and_stages_round_trip_through_the_resolved_config(tmp_path):
+    toml = tmp_path / "m.toml"
+    toml.write_text(open(DEBUG).read().replace('dataset = "stdlib"\n', "") + (
+        '\n[[data.sources]]\nname = "code"\ndataset = "stdlib"\nweight = 0.75\n'
+        '\n[[data.sources]]\nname = "docs"\ndataset = "d.jsonl"\ntext_column = "body"\nweight = 0.25\n'
+        '\n[[data.stages]]\nstart_step = 5\nweights = { code = 0.25, docs = 0.75 }\n'))
+    cfg = parse_config(["--config", str(toml)])
+    code, docs = cfg.data.source_list()
+    assert (code.max_documents, docs.max_documents, docs.text_column, code.text_column) == (400, 400, "body", "text")
+    assert cfg.data.weight_schedule() == [(0, [0.75, 0.25]), (5, [0.25, 0.75])]
+    (tmp_path / "resolved.toml").write_text(to_toml(cfg))
+    assert parse_config(["--config", str(tmp_path / "resolved.toml")]) == cfg
+
+
+@pytest.mark.parametrize("tables, msg", [
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\nweight = -1\n', "data.sources[a].weight must be a finite number >= 0"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\nweight = 0\n', "data.sources: every weight is 0"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.sources]]\nname = "a"\ndataset = "x.txt"\n',
+     "data.sources: two sources are named 'a'; give each its own name"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = 3\nweights = { b = 1 }\n',
+     "data.stages[0].weights names 'b', which is not a source (sources: a)"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = 3\nweights = { a = 1 }\n'
+     '[[data.stages]]\nstart_step = 3\nweights = { a = 2 }\n', "data.stages[1].start_step (3) must be >= 0 and after"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = -1\nweights = { a = 1 }\n',
+     "data.stages[0].start_step (-1) must be >= 0"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = 2\nweights = { a = 0 }\n',
+     "data.stages[0].weights: every weight is 0"),
+    ('[[data.sources]]\nname = "a b"\ndataset = "stdlib"\n', "data.sources: name 'a b' is not a name"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\nweigth = 1\n', "unknown config key 'data.sources[0].weigth'; did you mean 'weight'?"),
+])
+def test_bad_mixtures_are_one_line_errors_naming_the_field(tmp_path, capsys, tables, msg):
+    import trainer
+
+    toml = tmp_path / "bad.toml"
+    toml.write_text(open(DEBUG).read().replace('dataset = "stdlib"\n', "") + "\n" + tables)
+    line = refused(trainer.main, ["--config", str(toml), "--run_dir", str(tmp_path / "run")], capsys)
+    assert msg in line, line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_source_without_documents_and_a_dataset_beside_sources_are_refused(tmp_path, tok_path, capsys):
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    cfg = DataConfig(tokenizer=tok_path, sources=[SourceConfig(name="a", dataset=_jsonl(tmp_path / "a.jsonl", ["x"])),
+                                                  SourceConfig(name="e", dataset=str(tmp_path / "empty.jsonl"))])
+    with pytest.raises(DataError, match=r"data.sources\[e\].dataset: '.*empty.jsonl' holds no non-empty document; "
+                                        r"point it at real text or remove the source"):
+        prepare.prepare(cfg, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+    with pytest.raises(ConfigError, match="data.dataset .* and \\[\\[data.sources\\]\\] are both set"):
+        DataConfig(dataset="x.txt", sources=[SourceConfig(name="a", dataset="stdlib")])
