@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import data
 import mixture
 import prepare
 import sources
@@ -285,3 +286,155 @@ def test_a_source_without_documents_and_a_dataset_beside_sources_are_refused(tmp
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
     with pytest.raises(ConfigError, match="data.dataset .* and \\[\\[data.sources\\]\\] are both set"):
         DataConfig(dataset="x.txt", sources=[SourceConfig(name="a", dataset="stdlib")])
+
+
+# ---------------------------------------------------------------- whole runs
+
+MIXTURE_RUN = ["--train.steps", "8", "--train.seed", "0", "--checkpoint.interval", "1", "--checkpoint.keep", "0",
+               "--train.val_interval", "4", "--data.tokenizer_train_chars", "400000", "--data.max_documents", "100"]
+
+
+def _mixture_toml(tmp) -> str:
+    """configs/debug.toml with two sources (stdlib code .75, jsonl prose .25) and a stage after step 4."""
+    docs = _jsonl(tmp / "docs.jsonl", [t * 3 for t in _texts("prose", 300)], column="body")
+    path = tmp / "mixture.toml"
+    path.write_text(open(DEBUG).read().replace('dataset = "stdlib"\n', "") + (
+        '\n[[data.sources]]\nname = "code"\ndataset = "stdlib"\nweight = 0.75\n'
+        f'\n[[data.sources]]\nname = "docs"\ndataset = "{docs}"\ntext_column = "body"\nweight = 0.25\n'
+        '\n[[data.stages]]\nstart_step = 4\nweights = { code = 0.25, docs = 0.75 }\n'))
+    return str(path)
+
+
+def _killed_after(cfg, rd, nproc, step):
+    """Start a run, SIGKILL it and its workers once the checkpoint of `step` is committed."""
+    import subprocess
+    import sys
+    import time
+
+    from launch import ROOT, kill_tree
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "train_fsdp.py"), "--config", cfg, "--run_dir", str(rd), *MIXTURE_RUN]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if os.path.isfile(rd / "checkpoints" / f"step_{step:08d}" / ".metadata"):
+            kill_tree(p.pid)
+            break
+        time.sleep(0.01)
+    rc = p.wait(timeout=60)
+    time.sleep(0.5)  # the workers' exit releases the run directory's lock
+    return rc
+
+
+@pytest.mark.slow
+def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_path):
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from launch import ROOT, losses, metrics, torchrun
+
+    cfg = _mixture_toml(tmp_path)
+    ref = tmp_path / "ref"
+    torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(ref), *MIXTURE_RUN)
+    want = losses(ref)
+    assert sorted(want) == list(range(1, 9))
+    for name, first, then, kill_at, before in (("before", 2, 1, 3, True), ("after", 1, 2, 5, False)):
+        rd = tmp_path / name
+        shutil.copytree(ref / "data", rd / "data")  # prepared once: the runs read the same files
+        assert _killed_after(cfg, rd, first, kill_at) != 0, "the run finished before it was killed"
+        proc = torchrun(then, "train_fsdp.py", "--config", cfg, "--run_dir", str(rd), *MIXTURE_RUN)
+        resumed = int(re.search(r"resumed from \S+ at step (\d+)", proc.stdout).group(1))
+        assert (resumed <= 4) == before, (name, resumed)  # the stage's first step is 5
+        got = losses(rd)
+        assert [r["step"] for r in metrics(rd) if "loss" in r] == list(range(1, 9))
+        assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-4, (name, resumed, got, want)
+        print(f"[figures] killed {name} the stage change on {first} rank(s), resumed from step {resumed} on {then}: "
+              f"max relative loss difference {max(abs(got[s] - want[s]) / want[s] for s in want):.1e}")
+    # Per-source validation equals evaluate.py on that source's windows alone (its own loop and windows).
+    last = [r for r in metrics(ref) if "val_loss" in r][-1]
+    assert last["step"] == 8 and {"val_loss/code", "val_loss/docs"} <= set(last)
+    tokens = [r for r in metrics(ref) if "loss" in r][-1]
+    assert tokens["tokens/code"] + tokens["tokens/docs"] == tokens["tokens_seen"]
+    for source, key in (("code", "val_loss/code"), ("docs", "val_loss/docs"), ("", "val_loss")):
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--run_dir", str(ref),
+                              "--max_sequences", "64", *(["--source", source] if source else [])],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+        loss = json.loads(out.stdout.strip().splitlines()[-1])["loss"]
+        assert abs(loss - last[key]) <= 1e-5 * last[key], (key, loss, last[key])
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    import torch.distributed as dist
+
+    import distributed
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _legacy_data_dir(rd) -> None:
+    """rd/data as the code before mixtures left it: one uint32 tokens.bin and its meta.json."""
+    import shutil
+
+    from launch import prepared_data_dir
+
+    prepared_data_dir(rd)
+    out = os.path.join(str(rd), "data")
+    meta = data.read_meta(out)
+    record = meta["sources"]["default"]
+    stream = np.fromfile(os.path.join(out, record["file"]), dtype=record["dtype"])
+    stream.astype(np.uint32).tofile(os.path.join(out, "tokens.bin"))
+    shutil.rmtree(os.path.join(out, "sources"))
+    cfg = parse_config(["--config", DEBUG]).data
+    old = {k: getattr(cfg, k) for k in ("dataset", "dataset_config", "split", "text_column", "max_documents",
+                                        "decode_errors", "tokenizer", "tokenizer_vocab_size", "tokenizer_train_chars")}
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump({"tokenizer": meta["tokenizer"], "vocab_size": meta["vocab_size"], "n_tokens": int(stream.size),
+                   "n_documents": record["n_documents"], "work_units": record["work_units"], "config": old}, f)
+
+
+def test_a_run_directory_from_before_mixtures_trains_and_resumes(tmp_path, single_rank_group):
+    import trainer
+    from checkpoint import AppState
+
+    rd = tmp_path / "old"
+    _legacy_data_dir(rd)
+    before = {f: (rd / "data" / f).read_bytes() for f in ("meta.json", "tokens.bin")}
+
+    def session():
+        cfg = parse_config(["--config", DEBUG, "--run_dir", str(rd), "--train.steps", "50", "--checkpoint.keep", "0"])
+        return trainer.build(cfg, 0, 1, torch.device("cpu"))
+
+    def step(s):
+        trainer.forward_backward(s.model, s.loader.next_step(), 16 * 128, 1, s.device, s.mesh)
+        trainer.optimizer_step(s.model, s.optimizer, 1.0, s.device)
+        s.scheduler.step()
+        s.train_state.step += 1
+
+    a = session()
+    assert a.corpus.sources[0].tokens.dtype == np.uint32
+    for _ in range(2):
+        step(a)
+
+    @dataclasses.dataclass
+    class OldDataState:  # what that code checkpointed
+        consumed_samples: int = 0
+
+    a.ckpt.save(2, AppState(a.model, a.optimizer, a.scheduler, a.train_state,
+                            OldDataState(a.loader.state.consumed_samples), 0))
+    b = session()
+    assert b.resumed_from.endswith("step_00000002")
+    assert b.loader.rank_indices() == a.loader.rank_indices()
+    for _ in range(2):
+        step(a)
+        step(b)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), n
+    assert a.loader.state == b.loader.state
+    assert {f: (rd / "data" / f).read_bytes() for f in before} == before  # read as it is, never rewritten
