@@ -353,7 +353,7 @@ class DataState:
 class GlobalBatchLoader:
     """Yields this rank's micro-batches of each global step of the mixture (see mixture.py for the rule).
 
-    Global batch k holds mixture.largest_remainder(B, weights at step k) samples of each
+    Global batch k holds mixture.batch_counts(B, weights at step k, k) samples of each
     source, each source's next ones in its own seeded epochs, shuffled by (seed, k). Rank r of
     dp_size takes the contiguous slice [r*B/dp, (r+1)*B/dp) and splits it into micro-batches.
     With one source this is exactly the loader before mixtures: samples [k*B, (k+1)*B) of
@@ -368,7 +368,7 @@ class GlobalBatchLoader:
                 f"({dp_size}) x train.micro_batch_size ({micro_batch_size})"
             )
         for i, src in enumerate(corpus.sources):
-            most = max(mixture.largest_remainder(global_batch_size, w)[i] for _, w in corpus.schedule)
+            most = max(mixture.most_per_batch(global_batch_size, w)[i] for _, w in corpus.schedule)
             if src.n_train < most:
                 what = "data.dataset" if src.name == DEFAULT_SOURCE else f"data.sources[{src.name}]"
                 raise DataError(
@@ -402,7 +402,7 @@ class GlobalBatchLoader:
     def counts(self) -> list[int]:
         """Samples of each source in the next global batch (corpus.sources order)."""
         weights = mixture.weights_at(self.corpus.schedule, self.state.steps)
-        return mixture.largest_remainder(self.global_batch_size, weights)
+        return mixture.batch_counts(self.global_batch_size, weights, self.state.steps)
 
     def global_indices(self) -> list[tuple[int, int]]:
         """The next global batch as [(source number, window index)], in batch order (the cursor does not move)."""

@@ -4,9 +4,13 @@ Everything here is a pure function of the seed, the weight schedule and counters
 loader's DataState holds, so a global batch is the same at every world size and a resume
 needs nothing but that state:
 
-- Counts: global batch k takes ``largest_remainder(B, weights at k)`` samples of each
-  source: the integers nearest the weights (each within one sample of B * w / sum(w)),
-  the same in every batch of a stage; never a coin per sample.
+- Counts: global batch k takes ``batch_counts(B, weights at k, k)`` samples of each source:
+  floor(B * w / sum(w)) or one more, the units left over after the floors going to the
+  sources by their remainders as in the largest-remainder method, but in turn rather than
+  always to the same ones (systematic apportionment with a golden-ratio offset per batch,
+  no coin per sample). So every batch is within one sample of the weights, and the shares
+  over many batches converge to the weights (the largest-remainder rule alone would give
+  a remainder of 0.8 the extra sample in every batch: 5 of 16 for a weight of 0.3).
 - Within a source: the source's own sample cursor walks its epochs, each a permutation
   of its training windows seeded by (seed, source name, epoch), so a source that runs out
   starts its next epoch, reshuffled, on its own, whatever the other sources do.
@@ -21,21 +25,38 @@ from fractions import Fraction
 import torch
 
 
-def largest_remainder(total: int, weights: list[float]) -> list[int]:
-    """Split total (an int >= 0) into integers proportional to weights (floats >= 0, sum > 0).
+GOLDEN = Fraction(6180339887498949, 10 ** 16)
+"""(sqrt(5) - 1) / 2 to 16 digits: the offsets k * GOLDEN mod 1 spread evenly over [0, 1) for k = 0, 1, 2, ..."""
 
-    Each count is floor(total * w / sum) or one more; the leftover units go to the largest
-    remainders, ties to the lower index (Hamilton's method). Exact rational arithmetic, so
-    the split is the same on every machine. Returns a list of ints summing to total.
+
+def batch_counts(total: int, weights: list[float], step: int) -> list[int]:
+    """Split total (an int >= 0) into integers proportional to weights (floats >= 0, sum > 0) for batch `step`.
+
+    Each count is floor(q) or floor(q) + 1 of its quota q = total * w / sum(w), and they sum
+    to total. The L units left after the floors go to the sources whose remainder intervals
+    (laid end to end on [0, L)) hold the points u, u + 1, ..., u + L - 1, with u = step *
+    GOLDEN mod 1 (systematic sampling): a source with remainder r gets its extra unit in a
+    fraction r of the batches, evenly spread, so the realised shares converge to the weights
+    (after n batches each source is off by O(log n) samples in all). Exact rational
+    arithmetic, so the split is the same on every machine. Returns a list of ints.
     """
     exact = [Fraction(w) for w in weights]
     norm = sum(exact)
-    shares = [total * w / norm for w in exact]
-    counts = [int(s) for s in shares]  # floor: shares are >= 0
-    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - counts[i]), i))
-    for i in order[:total - sum(counts)]:
-        counts[i] += 1
+    quotas = [total * w / norm for w in exact]
+    counts = [int(q) for q in quotas]  # floor: quotas are >= 0
+    point, edge = (step * GOLDEN) % 1, Fraction(0)
+    for i, q in enumerate(quotas):
+        edge += q - counts[i]  # source i's remainder is [edge - r, edge)
+        if point < edge:  # at most one point in an interval shorter than 1
+            counts[i] += 1
+            point += 1
     return counts
+
+
+def most_per_batch(total: int, weights: list[float]) -> list[int]:
+    """The most samples of each source one batch_counts(total, weights, step) can hold: ceil of its quota."""
+    norm = sum(Fraction(w) for w in weights)
+    return [-(-total * Fraction(w) // norm) for w in weights]
 
 
 def weights_at(schedule: list[tuple[int, list[float]]], step: int) -> list[float]:

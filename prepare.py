@@ -283,8 +283,9 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
 
 
 def _say_cap(src, verb: str) -> None:
-    cap = (f": its first {src.max_documents:,} documents only ({src.field('max_documents')}; 0 reads all)"
-           if src.max_documents else "")
+    field = "data.max_documents" if src.name == DEFAULT_SOURCE else \
+        f"{src.field('max_documents')}, or data.max_documents when the table leaves it out"
+    cap = f": its first {src.max_documents:,} documents only ({field}; 0 reads all)" if src.max_documents else ""
     print(f"[data] source '{src.name}' ({src.dataset}) {verb}{cap}", flush=True)
 
 
