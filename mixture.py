@@ -24,7 +24,6 @@ from fractions import Fraction
 
 import torch
 
-
 GOLDEN = Fraction(6180339887498949, 10 ** 16)
 """(sqrt(5) - 1) / 2 to 16 digits: the offsets k * GOLDEN mod 1 spread evenly over [0, 1) for k = 0, 1, 2, ..."""
 
