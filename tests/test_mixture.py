@@ -292,6 +292,11 @@ def test_bad_mixtures_are_one_line_errors_naming_the_field(tmp_path, capsys, tab
     assert not (tmp_path / "run").exists()
 
 
+def test_sources_are_tables_of_the_config_file_not_flags():
+    with pytest.raises(ConfigError, match=r"data.sources: expected \[\[data.sources\]\] tables in the --config file"):
+        parse_config(["--config", DEBUG, "--data.sources", "x"])
+
+
 def test_a_source_without_documents_and_a_dataset_beside_sources_are_refused(tmp_path, tok_path, capsys):
     (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     cfg = DataConfig(tokenizer=tok_path, sources=[SourceConfig(name="a", dataset=_jsonl(tmp_path / "a.jsonl", ["x"])),
@@ -381,6 +386,11 @@ def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_pat
                              cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
         loss = json.loads(out.stdout.strip().splitlines()[-1])["loss"]
         assert abs(loss - last[key]) <= 1e-5 * last[key], (key, loss, last[key])
+    # Another dataset replaces the run's mixture, tokenized with the run's tokenizer.
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--run_dir", str(ref), "--split", "all",
+                          "--data.dataset", str(tmp_path / "docs.jsonl"), "--data.text_column", "body"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1])["sequences"] > 0
 
 
 @pytest.fixture(scope="module")
