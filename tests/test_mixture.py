@@ -292,6 +292,13 @@ def test_bad_mixtures_are_one_line_errors_naming_the_field(tmp_path, capsys, tab
     assert not (tmp_path / "run").exists()
 
 
+def test_val_loss_of_a_mixture_weighs_each_source_by_its_windows():
+    sets = [data.ValSet("a", [], 30), data.ValSet("b", [], 10)]
+    record = data.val_record({"a": 2.0, "b": 4.0}, sets)
+    assert record["val_loss"] == pytest.approx((2.0 * 30 + 4.0 * 10) / 40) and record["val_loss/b"] == 4.0
+    assert data.val_record({"a": 2.5}, sets[:1]) == {"val_loss": 2.5, "val_ppl": pytest.approx(np.exp(2.5))}
+
+
 def test_sources_are_tables_of_the_config_file_not_flags():
     with pytest.raises(ConfigError, match=r"data.sources: expected \[\[data.sources\]\] tables in the --config file"):
         parse_config(["--config", DEBUG, "--data.sources", "x"])
@@ -380,9 +387,9 @@ def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_pat
     assert last["step"] == 8 and {"val_loss/code", "val_loss/docs"} <= set(last)
     tokens = [r for r in metrics(ref) if "loss" in r][-1]
     assert tokens["tokens/code"] + tokens["tokens/docs"] == tokens["tokens_seen"]
-    for source, key in (("code", "val_loss/code"), ("docs", "val_loss/docs"), ("", "val_loss")):
+    for source, key in (("code", "val_loss/code"), ("docs", "val_loss/docs")):
         out = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--run_dir", str(ref),
-                              "--max_sequences", "64", *(["--source", source] if source else [])],
+                              "--max_sequences", "64", "--source", source],
                              cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
         loss = json.loads(out.stdout.strip().splitlines()[-1])["loss"]
         assert abs(loss - last[key]) <= 1e-5 * last[key], (key, loss, last[key])
