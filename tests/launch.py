@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,31 +30,6 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: b
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL pid and every process under it, as a node failure would.
-
-    torchrun starts each worker in a session of its own, so killing the launcher's process
-    group leaves the workers running; this walks /proc for the descendants first.
-    """
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def debug_run(nproc: int, run_dir: str, *overrides: str, script: str = "train_fsdp.py", **kw):

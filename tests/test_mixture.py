@@ -333,13 +333,36 @@ def _mixture_toml(tmp) -> str:
     return str(path)
 
 
+def _kill_tree(pid: int) -> None:
+    """SIGKILL pid and every process under it, as a node failure would (torchrun starts each worker in a
+    session of its own, so killing the launcher's process group would leave them running)."""
+    import signal
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _killed_after(cfg, rd, nproc, step):
     """Start a run, SIGKILL it and its workers once the checkpoint of `step` is committed."""
     import subprocess
     import sys
     import time
 
-    from launch import ROOT, kill_tree
+    from launch import ROOT
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "train_fsdp.py"), "--config", cfg, "--run_dir", str(rd), *MIXTURE_RUN]
@@ -348,7 +371,7 @@ def _killed_after(cfg, rd, nproc, step):
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:
         if os.path.isfile(rd / "checkpoints" / f"step_{step:08d}" / ".metadata"):
-            kill_tree(p.pid)
+            _kill_tree(p.pid)
             break
         time.sleep(0.01)
     rc = p.wait(timeout=60)
