@@ -314,10 +314,7 @@ class Checkpointer:
 
     def load(self, path: str, state: AppState) -> None:
         """Load path into state in place (collective). The caller checks compatibility first."""
-        target: Stateful = state
-        # Per-rank RNG only when this rank existed in the saving run.
-        if not any(k.startswith(f"app.rng_rank{state.rank}.") for k in read_metadata(path).state_dict_metadata):
-            target = _WithoutRng(state)
+        target = _Loading(state, set(read_metadata(path).state_dict_metadata))
         try:
             dcp.load({"app": target}, checkpoint_id=path)
         except CheckpointException as e:  # DCP gathers every rank's failure, so all ranks get here
@@ -382,14 +379,30 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-class _WithoutRng(Stateful):
-    """An AppState view whose state_dict leaves out the RNG entry (for a rank the saver lacked)."""
+class _Loading(Stateful):
+    """The AppState view a load fills: only entries the checkpoint holds.
 
-    def __init__(self, inner: AppState):
-        self.inner = inner
+    The RNG entry only when this rank existed in the saving run; the data state entry by
+    entry as saved (its per-source counts are a dict keyed by source name; a checkpoint from
+    before mixtures holds consumed_samples alone), so fields it lacks keep their defaults.
+    """
+
+    def __init__(self, inner: AppState, saved_keys: set[str]):
+        self.inner, self.saved_keys = inner, saved_keys
 
     def state_dict(self) -> dict:
-        return {k: v for k, v in self.inner.state_dict().items() if not k.startswith("rng_rank")}
+        sd = {k: v for k, v in self.inner.state_dict().items()
+              if not k.startswith("rng_rank") or any(s.startswith(f"app.{k}.") for s in self.saved_keys)}
+        data: dict = {}
+        for key in sorted(self.saved_keys):
+            if key.startswith("app.data."):  # DCP's flattened name: app.data.FIELD[.SOURCE]
+                *parents, leaf = key.split(".")[2:]
+                node = data
+                for p in parents:
+                    node = node.setdefault(p, {})
+                node[leaf] = 0  # a placeholder of the saved value, which DCP puts in its place
+        sd["data"] = data
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         self.inner.load_state_dict(sd)

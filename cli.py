@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import textwrap
+import types
 import typing
 from typing import Any, Literal
 
@@ -101,9 +102,55 @@ def choices_text(choices) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+def _optional(typ):
+    """X for a field typed X | None (unset: None, which TOML cannot write), else None."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(typ)) == 2:
+            return args[0]
+    return None
+
+
+def _table_list(typ):
+    """The dataclass D of a field typed list[D] (a TOML array of tables, [[section.field]]), else None."""
+    if typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        if dataclasses.is_dataclass(item):
+            return item
+    return None
+
+
+def build_table(key: str, cls, values: Any):
+    """A dataclass cls from a TOML table {field: value}; ConfigError naming key.field for unknown keys or bad values."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{key}: expected a table of {', '.join(f.name for f in dataclasses.fields(cls))}, "
+                          f"got {_short(values)}")
+    fields = _hints(cls)
+    for k in values:
+        if k not in fields:
+            raise ConfigError(f"unknown config key '{key}.{k}'{_suggest(k, fields)}")
+    try:
+        return cls(**{k: _convert(f"{key}.{k}", v, fields[k]) for k, v in values.items()})
+    except ValueError as e:  # a dataclass' own validation raising ValueError
+        raise ConfigError(str(e)) from e
+
+
 def _convert(key: str, value: Any, typ) -> Any:
     """Coerce a TOML or command-line value to the field's type; raise ConfigError if it can't."""
     origin = typing.get_origin(typ)
+    inner = _optional(typ)
+    if inner is not None:
+        return None if value is None else _convert(key, value, inner)
+    item = _table_list(typ)
+    if item is not None:
+        if isinstance(value, list):
+            return [build_table(f"{key}[{i}]", item, v) for i, v in enumerate(value)]
+        raise ConfigError(f"{key}: expected [[{key}]] tables in the --config file, got {_short(value)}")
+    if origin is dict:
+        key_type, value_type = typing.get_args(typ)
+        if isinstance(value, dict):
+            return {_convert(key, k, key_type): _convert(f"{key}.{k}", v, value_type) for k, v in value.items()}
+        raise ConfigError(f"{key}: expected a table {{name = value, ...}}, got {_short(value)}")
     if origin is Literal:
         choices = typing.get_args(typ)
         if isinstance(value, str):
@@ -257,6 +304,11 @@ def parse_args(root_cls, argv: list[str] | None, presets=None, description: str 
 def _type_name(typ) -> str:
     if typing.get_origin(typ) is Literal:
         return "|".join(typing.get_args(typ))
+    if _optional(typ) is not None:
+        return _type_name(_optional(typ))
+    if typing.get_origin(typ) in (list, dict):
+        return str(typ).replace("typing.", "").split(".")[-1] if _table_list(typ) is None else \
+            f"list[{_table_list(typ).__name__}]"
     return getattr(typ, "__name__", str(typ))
 
 
@@ -277,8 +329,17 @@ def help_text(root_cls, description: str = "", presets: dict[str, dict[str, dict
         docs = field_docs(cls)
         for sub in dataclasses.fields(cls):
             typ = _hints(cls)[sub.name]
-            lines.append(f"  --{f.name}.{sub.name} {_type_name(typ)} "
-                         f"(default {sub.default!r}): {docs.get(sub.name, '')}")
+            item = _table_list(typ)
+            if item is None:
+                lines.append(f"  --{f.name}.{sub.name} {_type_name(typ)} "
+                             f"(default {sub.default!r}): {docs.get(sub.name, '')}")
+                continue
+            lines.append(f"  [[{f.name}.{sub.name}]] tables (in the --config file): {docs.get(sub.name, '')}")
+            item_docs = field_docs(item)
+            for field in dataclasses.fields(item):
+                default = "unset" if field.default is None else repr(field.default)
+                lines.append(f"      {field.name} {_type_name(_hints(item)[field.name])} "
+                             f"(default {default}): {item_docs.get(field.name, '')}")
     return "\n".join(lines)
 
 
@@ -289,14 +350,28 @@ def to_toml(cfg) -> str:
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
             out_sections.append(f"\n[{f.name}]")
+            tables = []
             for sub in dataclasses.fields(value):
-                out_sections.append(f"{sub.name} = {_toml_value(getattr(value, sub.name))}")
+                v = getattr(value, sub.name)
+                if _table_list(_hints(type(value))[sub.name]) is not None:
+                    tables += [f"\n[[{f.name}.{sub.name}]]\n" + _toml_fields(item) for item in v]
+                elif v is not None:  # None: unset (X | None fields), which TOML cannot write
+                    out_sections.append(f"{sub.name} = {_toml_value(v)}")
+            out_sections += tables  # array-of-tables after the section's own keys
         else:
             out_top.append(f"{f.name} = {_toml_value(value)}")
     return "\n".join(out_top + out_sections) + "\n"
 
 
+def _toml_fields(obj) -> str:
+    """A dataclass' set fields as 'name = value' lines (for an [[array.of.tables]] entry)."""
+    return "\n".join(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)
+                     if getattr(obj, f.name) is not None)
+
+
 def _toml_value(v) -> str:
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + " }"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

@@ -1,26 +1,30 @@
-"""The reading side of the data: packed token windows and the global-cursor batch loader.
+"""The reading side of the data: the config, packed token windows, the global-cursor mixture loader.
 
-A run's data directory (written by prepare.py) holds one flat token stream, ``tokens.bin``:
-every document followed by one ``[EOT]``. It is cut into windows of ``seq_len + 1`` tokens
-at stride ``seq_len`` (inputs ``w[:-1]``, labels ``w[1:]``), so no padding is ever trained
-on and every token after the first is a target exactly once per epoch; only the stream's
-last partial window is left out. The last ``val_fraction`` of the windows is held out.
+A run's data directory (written by prepare.py) holds one flat token stream per source
+(``sources/<name>-<key>.bin``, uint16 or uint32 as meta.json says): every document followed
+by one ``[EOT]``. Each is cut into windows of ``seq_len + 1`` tokens at stride ``seq_len``
+(inputs ``w[:-1]``, labels ``w[1:]``), so no padding is ever trained on and every token
+after the first is a target exactly once per epoch; only the stream's last partial window
+is left out. The last ``val_fraction`` of each source's windows is held out.
 
-Determinism across world sizes: the loader keeps one global sample cursor. The global
-batch of step k is samples ``[k*B, (k+1)*B)`` of the epoch's seeded permutation, whatever
-the world size; data-parallel rank r takes the r-th contiguous slice. The cursor is the
-only state a checkpoint needs.
+Determinism across world sizes: the loader keeps a global position (DataState: samples and
+batches drawn, and each source's count). The global batch of step k is a function of that
+state and the seed alone (mixture.py has the rule), whatever the world size; data-parallel
+rank r takes the r-th contiguous slice. The state is all a checkpoint needs.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 from typing import Literal
 
 import numpy as np
 import torch
 
+import mixture
 from errors import ConfigError, UserError
 
 
@@ -28,10 +32,74 @@ class DataError(UserError):
     """Bad data input: the message names the field or file and the fix."""
 
 
+SOURCE_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+DEFAULT_SOURCE = "default"
+"""The name of the one source that data.dataset describes when no [[data.sources]] are given."""
+# Reading fields a [[data.sources]] table may set; unset, each takes the [data] field of that name.
+READING_FIELDS = ("dataset_config", "split", "text_column", "max_documents", "decode_errors", "txt_documents")
+TxtDocuments = Literal["file", "blank_line", "line"]
+
+
+@dataclasses.dataclass
+class SourceConfig:
+    """One [[data.sources]] table: a named document source and its weight in the mixture."""
+
+    name: str = ""
+    """Name of the source (letters, digits, '_', '-'): metrics keys val_loss/<name>, tokens/<name> and stage weights use it."""
+    dataset: str = ""
+    """What data.dataset accepts: 'stdlib', a local file, folder or glob (.txt, .jsonl/.json, .parquet, optionally .gz/.zst), or a hub id."""
+    weight: float = 1.0
+    """Share of every global batch (weights are normalised over the sources; 0: none until a stage gives it weight)."""
+    text_column: str | None = None
+    """Column of the text (unset: data.text_column)."""
+    dataset_config: str | None = None
+    """Hub configuration name (unset: data.dataset_config)."""
+    split: str | None = None
+    """Hub split (unset: data.split)."""
+    max_documents: int | None = None
+    """Read at most this many documents of this source, 0: all (unset: data.max_documents)."""
+    decode_errors: Literal["strict", "replace"] | None = None
+    """Undecodable bytes in .txt files (unset: data.decode_errors)."""
+    txt_documents: TxtDocuments | None = None
+    """How a .txt file splits into documents (unset: data.txt_documents)."""
+
+    def __post_init__(self) -> None:
+        if not SOURCE_NAME.match(self.name):
+            raise ConfigError(f"data.sources: name {self.name!r} is not a name; give each [[data.sources]] table "
+                              f"name = \"...\" of letters, digits, '_' or '-'")
+        if not self.dataset:
+            raise ConfigError(f"data.sources[{self.name}].dataset is empty; give 'stdlib', a local file, folder or "
+                              f"glob, or a hub id")
+        if not (math.isfinite(self.weight) and self.weight >= 0):
+            raise ConfigError(f"data.sources[{self.name}].weight must be a finite number >= 0, got {self.weight}")
+        if self.max_documents is not None and self.max_documents < 0:
+            raise ConfigError(f"data.sources[{self.name}].max_documents must be >= 0, got {self.max_documents}")
+        if self.text_column == "":
+            raise ConfigError(f"data.sources[{self.name}].text_column is empty; name the column of the text")
+
+    def field(self, name: str) -> str:
+        """How messages name one of this source's fields: 'data.dataset' for the default source, else 'data.sources[NAME].dataset'."""
+        return f"data.{name}" if self.name == DEFAULT_SOURCE else f"data.sources[{self.name}].{name}"
+
+    def reading(self) -> dict:
+        """The settings that decide the source's documents (and so its tokens, with the tokenizer)."""
+        return {"dataset": self.dataset, **{k: getattr(self, k) for k in READING_FIELDS}}
+
+
+@dataclasses.dataclass
+class StageConfig:
+    """One [[data.stages]] table: from a step on, the mixture takes other weights (e.g. annealing)."""
+
+    start_step: int = 0
+    """Optimizer steps done before the stage starts: step start_step + 1 (as metrics.jsonl counts) is its first."""
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    """{source name = weight}; a source the table leaves out gets weight 0 in this stage."""
+
+
 @dataclasses.dataclass
 class DataConfig:
     dataset: str = "stdlib"
-    """'stdlib' (offline: this Python's standard-library sources), a local file, folder or glob (.txt, .jsonl/.json, .parquet), or a Hugging Face hub id."""
+    """'stdlib' (offline: this Python's standard-library sources), a local file, folder or glob (.txt, .jsonl/.json, .parquet, optionally .gz/.zst), or a Hugging Face hub id. A one-source mixture; leave it at its default when [[data.sources]] are given."""
     dataset_config: str = ""
     """Hub dataset configuration name, e.g. 'sample-10BT' for HuggingFaceFW/fineweb."""
     split: str = "train"
@@ -39,20 +107,25 @@ class DataConfig:
     text_column: str = "text"
     """Column that holds the document text (jsonl/parquet/hub sources)."""
     max_documents: int = 0
-    """Read at most this many documents (0: all)."""
+    """Read at most this many documents of each source (0: all)."""
     decode_errors: Literal["strict", "replace"] = "strict"
     """Undecodable bytes in .txt files: 'strict' stops with the file and byte offset, 'replace' substitutes U+FFFD."""
+    txt_documents: TxtDocuments = "file"
+    """How a .txt file splits into documents: 'file' (the whole file), 'blank_line' (paragraphs between blank lines) or 'line'."""
     tokenizer: str = ""
     """Path to a tokenizer.json; empty: train a byte-level BPE on the corpus into the run directory."""
     tokenizer_vocab_size: int = 4096
     """Vocabulary size when a tokenizer is trained here (special tokens included)."""
     tokenizer_train_chars: int = 20_000_000
-    """Characters of the corpus used to train a tokenizer."""
+    """Characters of the corpus used to train a tokenizer (shared among the sources in proportion to their weights)."""
     seq_len: int = 512
     """Tokens per training sequence (the model sees seq_len inputs and predicts seq_len labels)."""
     val_fraction: float = 0.01
-    """Fraction of the packed sequences held out for validation (taken from the end of the stream)."""
-
+    """Fraction of each source's packed sequences held out for validation (taken from the end of its stream)."""
+    sources: list[SourceConfig] = dataclasses.field(default_factory=list)
+    """A mixture of named sources, each with a weight; the [data] reading fields are their defaults."""
+    stages: list[StageConfig] = dataclasses.field(default_factory=list)
+    """Changes of the mixture's weights at given steps, in order of start_step."""
 
     def __post_init__(self) -> None:
         if not self.dataset:
@@ -67,6 +140,53 @@ class DataConfig:
             raise ConfigError(f"data.max_documents must be >= 0, got {self.max_documents}")
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        self._check_mixture()
+
+    def _check_mixture(self) -> None:
+        if self.sources and self.dataset != "stdlib":
+            raise ConfigError(f"data.dataset ({self.dataset!r}) and [[data.sources]] are both set; make it one "
+                              f"more [[data.sources]] table (name, dataset, weight) and drop data.dataset")
+        names = [s.name for s in self.sources]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"data.sources: two sources are named {twice[0]!r}; give each its own name")
+        if self.sources and not sum(s.weight for s in self.sources) > 0:
+            raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
+        if self.stages and not self.sources:
+            raise ConfigError("data.stages needs [[data.sources]] tables: the stages' weights name the sources")
+        last = -1
+        for i, stage in enumerate(self.stages):
+            where = f"data.stages[{i}]"
+            if stage.start_step <= last:
+                raise ConfigError(f"{where}.start_step ({stage.start_step}) must be >= 0 and after the previous "
+                                  f"stage's ({last}); list the stages in order of start_step")
+            last = stage.start_step
+            for name, w in stage.weights.items():
+                if name not in names:
+                    raise ConfigError(f"{where}.weights names {name!r}, which is not a source "
+                                      f"(sources: {', '.join(names)}); use one of those names")
+                if not (math.isfinite(w) and w >= 0):
+                    raise ConfigError(f"{where}.weights.{name} must be a finite number >= 0, got {w}")
+            if not sum(stage.weights.values()) > 0:
+                raise ConfigError(f"{where}.weights: every weight is 0 (or none given); give a source a weight > 0")
+
+    def source_list(self) -> list[SourceConfig]:
+        """The sources of the mixture, every reading field resolved (unset ones from [data]).
+
+        Without [[data.sources]]: one source named DEFAULT_SOURCE from data.dataset, weight 1.
+        """
+        given = self.sources or [SourceConfig(name=DEFAULT_SOURCE, dataset=self.dataset)]
+        return [dataclasses.replace(s, **{k: getattr(self, k) for k in READING_FIELDS if getattr(s, k) is None})
+                for s in given]
+
+    def weight_schedule(self) -> list[tuple[int, list[float]]]:
+        """[(start_step, weights in source_list() order)], the first from step 0 (the sources' own weights)."""
+        names = [s.name for s in self.source_list()]
+        schedule = [(0, [s.weight for s in self.source_list()])]
+        for stage in self.stages:
+            weights = [float(stage.weights.get(n, 0.0)) for n in names]
+            schedule = [x for x in schedule if x[0] != stage.start_step] + [(stage.start_step, weights)]
+        return schedule
 
 
 def num_windows(n_tokens: int, seq_len: int) -> int:
@@ -86,42 +206,67 @@ def inputs_labels(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-META_KEYS = ("tokenizer", "vocab_size", "n_tokens", "n_documents", "config")
+TOKENIZER_FIELDS = ("tokenizer", "tokenizer_vocab_size", "tokenizer_train_chars")
+"""DataConfig fields that decide the tokenizer, fixed for a data directory once it is prepared."""
+LEGACY_KEYS = ("tokenizer", "vocab_size", "n_tokens", "n_documents", "config")
+"""meta.json of a directory prepared before mixtures: one uint32 tokens.bin."""
+META_KEYS = ("tokenizer", "vocab_size", "tokenizer_config", "sources")
+
+
+def token_dtype(vocab_size: int) -> str:
+    """'uint16' when every id fits (vocab_size <= 65,536: half the disk and page cache), else 'uint32'."""
+    return "uint16" if vocab_size <= 2 ** 16 else "uint32"
+
+
+def _damaged(path: str, out_dir: str, what: str) -> DataError:
+    return DataError(f"'{path}' {what}; the data directory is damaged: move '{out_dir}' away and run again to "
+                     f"prepare it anew")
 
 
 def read_meta(out_dir: str) -> dict:
-    """A prepared data directory's meta.json; raises DataError naming the file when it is unreadable or incomplete."""
+    """A prepared data directory's meta.json, in the current layout; DataError naming the file when unreadable.
+
+    Layout: {"tokenizer", "vocab_size", "tokenizer_config": {the TOKENIZER_FIELDS},
+    "sources": {name: {"file" (relative to out_dir), "dtype", "n_tokens", "n_documents",
+    "config": the source's reading settings}}}. A directory prepared before mixtures (one
+    uint32 tokens.bin) reads as one source named DEFAULT_SOURCE, with "legacy": True.
+    """
     path = os.path.join(out_dir, "meta.json")
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:  # ValueError: not UTF-8 or not JSON
-        raise DataError(f"'{path}' cannot be read ({type(e).__name__}); the data directory is damaged: move "
-                        f"'{out_dir}' away and run again to prepare it anew") from None
+        raise _damaged(path, out_dir, f"cannot be read ({type(e).__name__})") from None
+    if isinstance(meta, dict) and "sources" not in meta and all(k in meta for k in LEGACY_KEYS):
+        old = meta["config"]
+        reading = {k: old.get(k) for k in ("dataset", *READING_FIELDS)} | {"txt_documents": "file"}
+        return {"tokenizer": meta["tokenizer"], "vocab_size": meta["vocab_size"], "legacy": True,
+                "tokenizer_config": {k: old.get(k) for k in TOKENIZER_FIELDS},
+                "sources": {DEFAULT_SOURCE: {"file": "tokens.bin", "dtype": "uint32", "n_tokens": meta["n_tokens"],
+                                             "n_documents": meta["n_documents"], "config": reading}}}
     missing = [k for k in META_KEYS if k not in meta] if isinstance(meta, dict) else list(META_KEYS)
     if missing:
-        raise DataError(f"'{path}' lacks {', '.join(missing)}; the data directory is damaged: move '{out_dir}' away "
-                        f"and run again to prepare it anew")
+        raise _damaged(path, out_dir, f"lacks {', '.join(missing)}")
     return meta
 
 
-class PackedCorpus:
-    """The prepared token stream, memory-mapped, split into train and validation windows."""
+class SourceTokens:
+    """One source's token file, memory-mapped, cut into train windows and its held-out validation tail."""
 
-    def __init__(self, out_dir: str, cfg: DataConfig):
-        """Map out_dir's tokens.bin; raises DataError when it does not hold the tokens meta.json counts."""
-        self.meta = read_meta(out_dir)
-        self.seq_len = cfg.seq_len
-        path = os.path.join(out_dir, "tokens.bin")
+    def __init__(self, out_dir: str, name: str, record: dict, seq_len: int, val_fraction: float):
+        """Map the file of meta record; raises DataError when it does not hold the tokens the record counts."""
+        self.name, self.seq_len = name, seq_len
+        path = os.path.join(out_dir, record["file"])
+        dtype = np.dtype(record["dtype"])
         size = os.path.getsize(path) if os.path.isfile(path) else -1
-        if size != 4 * self.meta["n_tokens"] or size == 0:
-            raise DataError(f"'{path}' holds {max(size, 0)} bytes, not the {self.meta['n_tokens']} uint32 tokens "
-                            f"meta.json counts; the data directory is damaged: move '{out_dir}' away and run again "
-                            f"to prepare it anew")
-        self.tokens = np.memmap(path, dtype=np.uint32, mode="r")
-        n = num_windows(self.tokens.size, cfg.seq_len)
-        self.n_val = int(n * cfg.val_fraction) if cfg.val_fraction > 0 else 0
-        if cfg.val_fraction > 0 and n >= 2:
+        if size != dtype.itemsize * record["n_tokens"] or size == 0:
+            raise _damaged(path, out_dir, f"holds {max(size, 0)} bytes, not the {record['n_tokens']} "
+                                          f"{record['dtype']} tokens meta.json counts")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.n_tokens, self.n_documents = record["n_tokens"], record["n_documents"]
+        n = num_windows(self.tokens.size, seq_len)
+        self.n_val = int(n * val_fraction) if val_fraction > 0 else 0
+        if val_fraction > 0 and n >= 2:
             self.n_val = max(1, self.n_val)
         self.n_train = n - self.n_val
 
@@ -129,29 +274,90 @@ class PackedCorpus:
         """Window index of the stream (train: 0 <= index < n_train; validation after it) as int64, seq_len + 1 tokens."""
         return window(self.tokens, index, self.seq_len).astype(np.int64)
 
-    def batches(self, indices, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Windows at stream indices, in order, as [(inputs, labels)] of (<= micro_batch_size, seq_len) int64 each."""
-        indices = list(indices)
-        return [inputs_labels(torch.from_numpy(np.stack([self.sample(i) for i in indices[k:k + micro_batch_size]])))
-                for k in range(0, len(indices), micro_batch_size)]
+
+class PackedCorpus:
+    """The run's sources as prepared (one token file each) and the mixture's weight schedule."""
+
+    def __init__(self, out_dir: str, cfg: DataConfig):
+        """Map the token file of every source of cfg; raises DataError for a damaged or incomplete directory."""
+        self.meta = read_meta(out_dir)
+        self.seq_len = cfg.seq_len
+        self.sources: list[SourceTokens] = []
+        for src in cfg.source_list():
+            record = self.meta["sources"].get(src.name)
+            if record is None:
+                raise DataError(f"'{out_dir}' holds no prepared source '{src.name}'; run prepare (or the training "
+                                f"command) with this config to tokenize it")
+            self.sources.append(SourceTokens(out_dir, src.name, record, cfg.seq_len, cfg.val_fraction))
+        self.names = [s.name for s in self.sources]
+        self.schedule = cfg.weight_schedule()
+        self.n_train = sum(s.n_train for s in self.sources)
+        self.n_val = sum(s.n_val for s in self.sources)
+        self.n_tokens = sum(s.n_tokens for s in self.sources)
+        self.n_documents = sum(s.n_documents for s in self.sources)
+
+    def describe(self) -> str:
+        """The mixture for the start-up line: ' | mixture code 0.75 (400 docs), docs 0.25 (400 docs); from step
+        5: ...', or '' for one source."""
+        if len(self.sources) < 2:
+            return ""
+        docs = [f"{s.n_documents:,} docs" for s in self.sources]
+        stages = [", ".join(f"{n} {w:g}" + (f" ({d})" if start == 0 else "") for n, w, d in zip(self.names, ws, docs))
+                  for start, ws in self.schedule]
+        return " | mixture " + "; ".join(f"after step {start}: {text}" if start else text
+                                         for (start, _), text in zip(self.schedule, stages))
+
+    def sample(self, index: int, source: int = 0) -> np.ndarray:
+        """Window index of source number `source` (see SourceTokens.sample)."""
+        return self.sources[source].sample(index)
+
+    def batches(self, pairs, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Windows [(source number, window index)], in order, as [(inputs, labels)] of (<= micro_batch_size, seq_len) int64 each."""
+        pairs = list(pairs)
+        return [inputs_labels(torch.from_numpy(np.stack([self.sample(i, s) for s, i in pairs[k:k + micro_batch_size]])))
+                for k in range(0, len(pairs), micro_batch_size)]
+
+
+def mixture_note(saved: dict, cfg: DataConfig) -> str:
+    """What a resume changes in the mixture, for the start-up line ('' if nothing): weights or stages.
+
+    saved: the [data] table of the checkpoint's config.toml. Allowed: every source keeps its
+    own position (DataState.source_samples); a new source starts at its beginning.
+    """
+    then = {s.get("name"): s.get("weight", 1.0) for s in saved.get("sources", [])} or {DEFAULT_SOURCE: 1.0}
+    now = {s.name: s.weight for s in cfg.source_list()}
+    stages_then = [(s.get("start_step"), s.get("weights")) for s in saved.get("stages", [])]
+    stages_now = [(s.start_step, s.weights) for s in cfg.stages]
+    notes = []
+    if then != now:
+        notes.append(f"data.sources weights {then} -> {now}")
+    if stages_then != stages_now:
+        notes.append(f"data.stages {stages_then} -> {stages_now}")
+    return "; ".join(notes) + (" (each source continues from its own position)" if notes else "")
 
 
 # ---------------------------------------------------------------- the loader
 
 @dataclasses.dataclass
 class DataState:
-    """Loader position, global and world-size independent: samples consumed since the start."""
+    """Loader position, global and world-size independent (the same on every rank)."""
 
     consumed_samples: int = 0
+    """Samples drawn since the start, all sources together."""
+    steps: int = 0
+    """Global batches drawn (it picks the stage of the weight schedule and seeds the batch's order)."""
+    source_samples: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Samples drawn from each source: its cursor through its own epochs."""
 
 
 class GlobalBatchLoader:
-    """Yields this rank's micro-batches of each global step from a global sample cursor.
+    """Yields this rank's micro-batches of each global step of the mixture (see mixture.py for the rule).
 
-    Global batch k = samples [k*B, (k+1)*B) of the concatenated per-epoch permutations
-    (epoch e's permutation is torch.randperm(n_train) seeded with seed + e). Rank r of
-    dp_size takes the contiguous slice [r*B/dp, (r+1)*B/dp) and splits it into
-    micro-batches of micro_batch_size.
+    Global batch k holds mixture.batch_counts(B, weights at step k, k) samples of each
+    source, each source's next ones in its own seeded epochs, shuffled by (seed, k). Rank r of
+    dp_size takes the contiguous slice [r*B/dp, (r+1)*B/dp) and splits it into micro-batches.
+    With one source this is exactly the loader before mixtures: samples [k*B, (k+1)*B) of
+    the epochs' permutations (torch.randperm(n_train) seeded with seed + epoch), unshuffled.
     """
 
     def __init__(self, corpus: PackedCorpus, global_batch_size: int, micro_batch_size: int,
@@ -161,56 +367,125 @@ class GlobalBatchLoader:
                 f"train.global_batch_size ({global_batch_size}) must be divisible by data-parallel size "
                 f"({dp_size}) x train.micro_batch_size ({micro_batch_size})"
             )
-        if corpus.n_train < global_batch_size:
-            raise DataError(
-                f"data.dataset: only {corpus.n_train} training sequences of {corpus.seq_len} tokens, fewer than "
-                f"train.global_batch_size ({global_batch_size}); use more text, a shorter data.seq_len or a smaller batch"
-            )
+        for i, src in enumerate(corpus.sources):
+            most = max(mixture.most_per_batch(global_batch_size, w)[i] for _, w in corpus.schedule)
+            if src.n_train < most:
+                what = "data.dataset" if src.name == DEFAULT_SOURCE else f"data.sources[{src.name}]"
+                raise DataError(
+                    f"{what}: only {src.n_train} training sequences of {corpus.seq_len} tokens, fewer than the "
+                    f"{most} it gives one global batch of train.global_batch_size ({global_batch_size}); use more "
+                    f"text, a shorter data.seq_len, a smaller batch or a smaller weight"
+                )
         self.corpus = corpus
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed = seed
         self.state = state or DataState()
-        self._perm_epoch, self._perm = -1, None
+        self._perms: dict[str, tuple[int, np.ndarray]] = {}
 
-    def _index(self, g: int) -> int:
-        epoch, i = divmod(g, self.corpus.n_train)
-        if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(self.corpus.n_train, generator=gen).numpy()
-            self._perm_epoch = epoch
-        return int(self._perm[i])
+    def _upgrade(self) -> None:
+        # A checkpoint from before mixtures holds only consumed_samples, all drawn from the one source it had.
+        st = self.state
+        if st.consumed_samples and not st.steps and not st.source_samples:
+            st.source_samples = {DEFAULT_SOURCE: st.consumed_samples}
+            st.steps = st.consumed_samples // self.global_batch_size
 
-    def rank_indices(self) -> list[int]:
-        """Corpus indices of this rank's slice of the next global batch (the cursor does not move)."""
+    def _index(self, source: int, g: int) -> int:
+        src = self.corpus.sources[source]
+        epoch, i = divmod(g, src.n_train)
+        if self._perms.get(src.name, (-1,))[0] != epoch:
+            perm = mixture.epoch_permutation(src.n_train, self.seed, src.name, epoch, src.name == DEFAULT_SOURCE)
+            self._perms[src.name] = (epoch, perm.numpy())
+        return int(self._perms[src.name][1][i])
+
+    def counts(self) -> list[int]:
+        """Samples of each source in the next global batch (corpus.sources order)."""
+        weights = mixture.weights_at(self.corpus.schedule, self.state.steps)
+        return mixture.batch_counts(self.global_batch_size, weights, self.state.steps)
+
+    def global_indices(self) -> list[tuple[int, int]]:
+        """The next global batch as [(source number, window index)], in batch order (the cursor does not move)."""
+        self._upgrade()
+        pairs = []
+        for s, count in enumerate(self.counts()):
+            start = self.state.source_samples.get(self.corpus.names[s], 0)
+            pairs += [(s, self._index(s, g)) for g in range(start, start + count)]
+        if len(self.corpus.sources) > 1:
+            pairs = [pairs[i] for i in mixture.batch_order(len(pairs), self.seed, self.state.steps)]
+        return pairs
+
+    def rank_indices(self) -> list[tuple[int, int]]:
+        """This rank's slice of the next global batch, [(source number, window index)] (the cursor does not move)."""
         per_rank = self.global_batch_size // self.dp_size
-        start = self.state.consumed_samples + self.dp_rank * per_rank
-        return [self._index(g) for g in range(start, start + per_rank)]
+        return self.global_indices()[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches [(inputs, labels)] of the next global step, each (mb, seq_len) int64.
 
-        Advances the global cursor by global_batch_size.
+        Advances the global cursor: consumed_samples by global_batch_size, steps by one, each
+        source's count by its share of the batch.
         """
         idx = self.rank_indices()
-        self.state.consumed_samples += self.global_batch_size
+        st = self.state
+        for name, count in zip(self.corpus.names, self.counts()):
+            st.source_samples[name] = st.source_samples.get(name, 0) + count
+        st.consumed_samples += self.global_batch_size
+        st.steps += 1
         return self.corpus.batches(idx, self.micro_batch_size)
 
     @property
     def epoch(self) -> int:
-        return self.state.consumed_samples // self.corpus.n_train
+        """The furthest epoch any source is in (with one source: its epoch)."""
+        self._upgrade()
+        return max(self.state.source_samples.get(s.name, 0) // s.n_train for s in self.corpus.sources)
+
+    def source_tokens(self) -> dict[str, int]:
+        """{'tokens/<name>': training tokens drawn from that source} for a mixture of 2+ sources, else {}."""
+        if len(self.corpus.sources) < 2:
+            return {}
+        return {f"tokens/{n}": self.state.source_samples.get(n, 0) * self.corpus.seq_len for n in self.corpus.names}
 
 
-def val_batches(corpus: PackedCorpus, max_sequences: int, micro_batch_size: int, dp_rank: int, dp_size: int):
-    """This rank's share of the first validation windows, as [(inputs, labels)] of (mb, seq_len) int64.
+@dataclasses.dataclass
+class ValSet:
+    """One source's validation windows on this rank."""
 
-    Uses the largest multiple of dp_size * micro_batch_size windows that is <= both
-    max_sequences and the held-out count, so every rank runs the same number of forward
-    passes (FSDP gathers parameters collectively in each). Empty when there are too few.
+    name: str
+    batches: list
+    """This rank's [(inputs, labels)], each (<= mb, seq_len) int64; every rank gets as many."""
+    n_windows: int
+    """Windows over all ranks."""
+
+
+def val_batches(corpus: PackedCorpus, max_sequences: int, micro_batch_size: int, dp_rank: int,
+                dp_size: int) -> list[ValSet]:
+    """Each source's validation set: this rank's share of the first windows of its held-out tail.
+
+    Per source, the largest multiple of dp_size windows that is <= both max_sequences and
+    the source's held-out count, split into equal contiguous rank shares of micro-batches, so
+    every rank runs the same number of forward passes (FSDP gathers parameters collectively
+    in each). A source with too few held-out windows is left out.
     """
-    per_round = dp_size * micro_batch_size
-    total = min(corpus.n_val, max_sequences) // per_round * per_round
-    per_rank = total // dp_size
-    start = corpus.n_train + dp_rank * per_rank
-    return corpus.batches(range(start, start + per_rank), micro_batch_size)
+    out = []
+    for s, src in enumerate(corpus.sources):
+        per_rank = min(src.n_val, max_sequences) // dp_size
+        start = src.n_train + dp_rank * per_rank
+        if per_rank:
+            out.append(ValSet(src.name, corpus.batches([(s, i) for i in range(start, start + per_rank)],
+                                                       micro_batch_size), per_rank * dp_size))
+    return out
+
+
+def val_record(losses: dict[str, float], sets: list[ValSet]) -> dict:
+    """A validation record from each source's mean token loss: val_loss over the mixture, val_loss/<name> per source.
+
+    val_loss is the mean token loss over every evaluated window of every source (each
+    source weighs by its windows, not by its mixture weight, so the figure does not jump at a
+    stage). With one source it is that source's loss, and no per-source key is written.
+    """
+    if len(sets) == 1:
+        val = losses[sets[0].name]
+        return {"val_loss": val, "val_ppl": math.exp(min(val, 50))}
+    val = sum(losses[v.name] * v.n_windows for v in sets) / sum(v.n_windows for v in sets)
+    return {"val_loss": val, "val_ppl": math.exp(min(val, 50)), **{f"val_loss/{k}": x for k, x in losses.items()}}

@@ -1,18 +1,20 @@
 """Validation loss and perplexity of a checkpoint, sharded with FSDP2 over torchrun ranks.
 
     torchrun --standalone --nproc_per_node=N evaluate.py --run_dir DIR [--checkpoint CKPT] \\
-        [--split val|train|all] [--max_sequences N] [--micro_batch_size B] [--data.dataset SRC ...]
+        [--split val|train|all] [--max_sequences N] [--micro_batch_size B] [--source NAME] [--data.dataset SRC ...]
     python evaluate.py --run_dir DIR            # one process
 
 Prints one JSON line: {"loss": mean token loss (nats), "ppl": exp(loss), "tokens": targets
-counted, "sequences", "split", "checkpoint"}. The windows are data.py's: the packed stream
-cut into seq_len + 1 tokens at stride seq_len; "val" is the held-out tail that training
-validates on (--max_sequences = train.val_batches x train.global_batch_size gives training's
-val_loss), "train" the rest, "all" both. Every window of the split is counted once.
+counted, "sequences", "split", "checkpoint"}. The windows are data.py's: each source's packed
+stream cut into seq_len + 1 tokens at stride seq_len; "val" is the held-out tail that training
+validates on (--max_sequences = train.val_batches x train.global_batch_size, which applies to
+each source, gives training's val_loss up to its rounding to the data-parallel size), "train"
+the rest, "all" both. Every window of the split of every source of the run's mixture (or of
+--source NAME alone) is counted once.
 
 Without --data.* overrides the run's prepared corpus is read as it is; with them (another
-source, e.g. --data.dataset notes.jsonl --split all) that source is tokenized with the run's
-tokenizer into DIR/eval_data/<hash>/. The model is built, sharded and loaded with the
+source, e.g. --data.dataset notes.jsonl --split all, which replaces a run's [[data.sources]])
+that source is tokenized with the run's tokenizer, as plain text, into DIR/eval_data/<hash>/. The model is built, sharded and loaded with the
 training code (parallelize.build_model, loss.token_loss_sum, checkpoint.read_model_weights);
 only model weights are read, and the run directory's checkpoints are never touched.
 """
@@ -25,11 +27,13 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+import cli
 import distributed
 from checkpoint import read_model_weights
 from cli import ArgumentParser, number
@@ -40,29 +44,36 @@ from loss import scalar, token_loss_sum
 from parallelize import build_mesh, build_model
 from prepare import prepare
 
-# DataConfig fields that only cut or order the token stream; any other one changes the tokens.
-_READ_FIELDS = ("seq_len", "val_fraction", "seed")
+# DataConfig fields that only cut, order or weigh the token streams; any other one changes the tokens.
+_READ_FIELDS = ("seq_len", "val_fraction", "seed", "stages")
 
 
-def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0) -> range:
-    """Stream window indices of a split ('val', 'train' or 'all'), the first max_sequences of it (0: all).
+def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0, source: str = "") -> list[tuple[int, int]]:
+    """Windows [(source number, window index)] of a split ('val', 'train' or 'all') of each source (or of
+    the one named source), the first max_sequences of each (0: all).
 
-    Raises SetupError for an unknown or empty split.
+    Raises SetupError for an unknown split or source, or an empty split.
     """
-    n_train, n_val = corpus.n_train, corpus.n_val
-    spans = {"train": (0, n_train), "val": (n_train, n_train + n_val), "all": (0, n_train + n_val)}
-    if split not in spans:
-        raise SetupError(f"--split must be 'val', 'train' or 'all', got '{split}'")
-    start, end = spans[split]
-    if max_sequences > 0:
-        end = min(end, start + max_sequences)
-    if end <= start:
-        raise SetupError(f"split '{split}' is empty ({n_train} train / {n_val} val windows of "
+    if source and source not in corpus.names:
+        raise SetupError(f"--source: the run has no source '{source}'; use one of {', '.join(corpus.names)}")
+    out = []
+    for s, src in enumerate(corpus.sources):
+        n_train, n_val = src.n_train, src.n_val
+        spans = {"train": (0, n_train), "val": (n_train, n_train + n_val), "all": (0, n_train + n_val)}
+        if split not in spans:
+            raise SetupError(f"--split must be 'val', 'train' or 'all', got '{split}'")
+        start, end = spans[split]
+        if max_sequences > 0:
+            end = min(end, start + max_sequences)
+        if not source or source == src.name:
+            out += [(s, i) for i in range(start, end)]
+    if not out:
+        raise SetupError(f"split '{split}' is empty ({corpus.n_train} train / {corpus.n_val} val windows of "
                          f"{corpus.seq_len + 1} tokens); use --split all or raise --data.val_fraction")
-    return range(start, end)
+    return out
 
 
-def rank_batches(corpus: PackedCorpus, windows: range, micro_batch_size: int, rank: int, world: int):
+def rank_batches(corpus: PackedCorpus, windows: list, micro_batch_size: int, rank: int, world: int):
     """This rank's contiguous share of windows as [(inputs, labels)], each (<= micro_batch_size, seq_len) int64,
     and the number of forward passes every rank must run (the largest share's batch count)."""
     lo, hi = len(windows) * rank // world, len(windows) * (rank + 1) // world
@@ -104,8 +115,8 @@ def prepared_data(cfg, run_cfg, run_dir: str, tokenizer: str) -> str:
     """
     if _source(cfg.data) == _source(run_cfg.data):
         own = os.path.join(run_dir, "data")
-        if not os.path.isfile(os.path.join(own, "tokens.bin")):
-            raise DataError(f"'{own}' holds no prepared corpus (tokens.bin); pass --data.dataset")
+        if not os.path.isfile(os.path.join(own, "meta.json")):
+            raise DataError(f"'{own}' holds no prepared corpus (meta.json); pass --data.dataset")
         return own
     data_cfg = dataclasses.replace(cfg.data, tokenizer=tokenizer)
     digest = hashlib.sha1(json.dumps(_source(data_cfg), sort_keys=True).encode()).hexdigest()[:12]
@@ -122,21 +133,36 @@ def check_inputs(max_sequences: int, micro_batch_size: int) -> None:
         raise SetupError(f"--micro_batch_size must be >= 0 (0: the run's), got {micro_batch_size}")
 
 
+def eval_config(run_cfg, run_dir: str, overrides: list[str]):
+    """The run's config with overrides; one naming data.dataset replaces the run's mixture by that one source."""
+    base = os.path.join(run_dir, "config.toml")
+    if run_cfg.data.sources and any(o.split("=")[0] == "--data.dataset" for o in overrides):
+        one = dataclasses.replace(run_cfg, data=dataclasses.replace(run_cfg.data, sources=[], stages=[]))
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+            f.write(cli.to_toml(one))
+        try:
+            return parse_config(["--config", f.name, *overrides])
+        finally:
+            os.remove(f.name)
+    return parse_config(["--config", base, *overrides])
+
+
 def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_sequences: int = 0,
-                 micro_batch_size: int = 0, overrides: list[str] = ()) -> dict:
+                 micro_batch_size: int = 0, overrides: list[str] = (), source: str = "") -> dict:
     """Loss and perplexity of a run's checkpoint (collective: every torchrun rank calls it).
 
-    Returns {"loss", "ppl", "tokens", "sequences", "split", "checkpoint"}. Raises a UserError
-    (one line) for a bad run, checkpoint or data source.
+    source: one source of the run's mixture ('' : all). Returns {"loss", "ppl", "tokens",
+    "sequences", "split", "checkpoint"}. Raises a UserError (one line) for a bad run,
+    checkpoint or data source.
     """
     run_cfg, path, tokenizer = load_run(run_dir, checkpoint)
-    cfg = parse_config(["--config", os.path.join(run_dir, "config.toml"), *overrides])
+    cfg = eval_config(run_cfg, run_dir, list(overrides))
     check_inputs(max_sequences, micro_batch_size)
     rank, world, device = distributed.init_distributed(cfg.train.device)
     try:
         data_dir = distributed.on_rank0(lambda: prepared_data(cfg, run_cfg, run_dir, tokenizer), rank)
         corpus = PackedCorpus(data_dir, cfg.data)
-        windows = split_windows(corpus, split, max_sequences)
+        windows = split_windows(corpus, split, max_sequences, source)
         micro = micro_batch_size or max(1, cfg.train.micro_batch(world))
         # Inference: no recompute or compile; the run's dtype (mixed precision) stays.
         model = build_model(cfg.model, build_mesh(device, world), device, cfg.train.seed, cfg.parallel,
@@ -165,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     count = number(int, lambda v: v >= 0, "an int >= 0")
     p.add_argument("--max_sequences", type=count, default=0, help="only the split's first N windows (0: all)")
     p.add_argument("--micro_batch_size", type=count, default=0, help="windows per forward pass (0: the run's)")
+    p.add_argument("--source", default="", help="one source of the run's [[data.sources]] (default: all)")
     a, overrides = p.parse_known_args(argv)
     try:
-        result = evaluate_run(a.run_dir, a.checkpoint, a.split, a.max_sequences, a.micro_batch_size, overrides)
+        result = evaluate_run(a.run_dir, a.checkpoint, a.split, a.max_sequences, a.micro_batch_size, overrides,
+                              a.source)
     except UserError as e:
         report(e)
         return 2

@@ -25,7 +25,7 @@ from cli import ArgumentParser, number
 from config import load_run
 from errors import UserError, report
 from model import Attention, Transformer, apply_rope
-from tokenizer import EOT, load_tokenizer
+from tokenizer import EOT, encode_plain, load_tokenizer
 
 
 class KVCache:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         eot = tok.token_to_id(EOT)
         # A prompt from the command line may hold undecodable bytes (as lone surrogates): replace them.
         text = a.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        prompt = [eot] + tok.encode(text, add_special_tokens=False).ids
+        prompt = [eot] + encode_plain(tok, [text])[0]  # "[EOT]" typed in a prompt is text
         for i in range(a.num_samples):
             new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed + i, (eot,))
             print(f"--- sample {i} (seed {a.seed + i})")

@@ -1,21 +1,23 @@
-"""The writing side of the data: tokenize a source and pack it into a run's data directory.
+"""The writing side of the data: tokenize the sources and pack each into a run's data directory.
 
     python prepare.py --config FILE.toml --run_dir DIR [--data.field value ...]
     torchrun --standalone --nproc_per_node=N prepare.py --config FILE.toml --run_dir DIR   (N processes)
     python prepare.py tokenizer --config FILE.toml --out runs/tokenizer.json [--data.field value ...]
 
-The first writes what a training run would write into DIR/data (tokenizer.json, tokens.bin,
-meta.json), so a long tokenization need not happen inside the process group's timeout; the
+The first writes what a training run would write into DIR/data (tokenizer.json, one token
+file per source under sources/, meta.json), so a long tokenization need not happen inside the process group's timeout; the
 training run then finds it and reads it as it is. ``tokenizer`` trains a tokenizer alone.
 (``python data.py prepare`` of earlier versions is ``python prepare.py`` now.)
 
-Pipeline: documents (sources.py) -> byte-level BPE ids (tokenizer.py) -> one ``[EOT]``
-after every document -> one flat uint32 token stream (data.py reads it). Every rank
+Pipeline, per source: documents (sources.py) -> byte-level BPE ids of the plain text
+(tokenizer.encode_plain) -> one ``[EOT]`` after every document -> one flat token stream,
+uint16 when the vocabulary fits in 65,536 ids, else uint32 (data.py reads it). Every rank
 tokenizes its share of fixed work units and rank 0 joins them in unit order, so the stream
 is byte-identical at any world size.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -29,30 +31,35 @@ import torch.distributed as dist
 
 import distributed
 from config import check_run_dir, parse_config
-from data import DataConfig, DataError, read_meta
+from data import DEFAULT_SOURCE, TOKENIZER_FIELDS, DataConfig, DataError, SourceConfig, read_meta, token_dtype
 from errors import ConfigError, UserError, report
 from progress import duration
 from sources import check_source, iter_documents, source_units
-from tokenizer import EOT, load_tokenizer, train_tokenizer
+from tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
 
 
-def pack_documents(docs: Iterable[list[int]], eot_id: int) -> np.ndarray:
+def pack_documents(docs: Iterable[list[int]], eot_id: int, dtype: str = "uint32") -> np.ndarray:
     """Concatenate token-id lists into one stream with eot_id after every document.
 
-    Returns a 1-D uint32 array of sum(len(d) + 1) tokens: nothing is padded or cut.
+    Returns a 1-D array of dtype ('uint16' or 'uint32') of sum(len(d) + 1) tokens: nothing
+    is padded or cut. Raises DataError if an id does not fit dtype.
     """
     parts = []
     for ids in docs:
-        parts.append(np.asarray(ids, dtype=np.uint32))
-        parts.append(np.asarray([eot_id], dtype=np.uint32))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+        parts.append(np.asarray(ids, dtype=np.int64))
+        parts.append(np.asarray([eot_id], dtype=np.int64))
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if stream.size and stream.max() > np.iinfo(dtype).max:
+        raise DataError(f"data.tokenizer: token id {stream.max()} does not fit {dtype}; the tokenizer has more ids "
+                        f"than its vocabulary size says")
+    return stream.astype(dtype)
 
 
 DOCS_PER_UNIT = 256
 """Documents per work unit when max_documents bounds the source (the first N documents in order)."""
 
 
-def _rank_units(cfg: DataConfig, rank: int, world: int) -> tuple[int, Iterator[tuple[int, Iterator[str]]]]:
+def _rank_units(cfg: SourceConfig, rank: int, world: int) -> tuple[int, Iterator[tuple[int, Iterator[str]]]]:
     """(number of units of the source, an iterator of (unit index, documents) over those rank tokenizes).
 
     Unit u goes to rank u % world. With max_documents the units are blocks of DOCS_PER_UNIT
@@ -66,7 +73,7 @@ def _rank_units(cfg: DataConfig, rank: int, world: int) -> tuple[int, Iterator[t
     return -(-cfg.max_documents // DOCS_PER_UNIT), _document_blocks(cfg, rank, world)
 
 
-def _document_blocks(cfg: DataConfig, rank: int, world: int) -> Iterator[tuple[int, Iterator[str]]]:
+def _document_blocks(cfg: SourceConfig, rank: int, world: int) -> Iterator[tuple[int, Iterator[str]]]:
     for u, block in itertools.groupby(enumerate(iter_documents(cfg)), key=lambda item: item[0] // DOCS_PER_UNIT):
         if u % world == rank:
             yield u, (text for _, text in block)
@@ -83,13 +90,13 @@ class _ProgressLines:
 
     INTERVAL_S = 10.0
 
-    def __init__(self, enabled: bool, n_units: int, rank: int, world: int):
-        self.enabled, self.world = enabled, world
+    def __init__(self, enabled: bool, n_units: int, rank: int, world: int, name: str = ""):
+        self.enabled, self.world, self.name = enabled, world, name
         self.mine = len(range(rank, n_units, world))
         self.units = self.docs = self.tokens = 0
         self.t0 = self.last = time.perf_counter()
         if enabled:
-            print(f"[data] tokenizing {n_units} work unit(s) on {world} rank(s)", flush=True)
+            print(f"[data] tokenizing {n_units} work unit(s) of '{name}' on {world} rank(s)", flush=True)
 
     def unit_done(self, n_tokens: int, n_docs: int) -> None:
         self.units, self.docs, self.tokens = self.units + 1, self.docs + n_docs, self.tokens + n_tokens
@@ -102,8 +109,9 @@ class _ProgressLines:
                   flush=True)
 
 
-def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, batch: int = 256) -> tuple[int, int]:
-    """Tokenize and pack documents (blank ones skipped), appending the uint32 stream to out.
+def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, dtype: str = "uint32",
+                       batch: int = 256) -> tuple[int, int]:
+    """Tokenize (as plain text) and pack documents (blank ones skipped), appending the dtype stream to out.
 
     Writes batch by batch, so memory stays bounded however large the unit. Returns
     (n_tokens written, n_documents).
@@ -113,8 +121,7 @@ def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, batch: in
 
     def flush():
         nonlocal n_tokens, n_docs
-        encs = tokenizer.encode_batch(pending, add_special_tokens=False)
-        stream = pack_documents((e.ids for e in encs), eot)
+        stream = pack_documents(encode_plain(tokenizer, pending), eot, dtype)
         out.write(stream.tobytes())
         n_tokens += int(stream.size)
         n_docs += len(pending)
@@ -147,21 +154,27 @@ def _gather_single(obj):
 
 
 def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_gather=_gather_single) -> dict:
-    """Tokenize the corpus once into out_dir: tokenizer.json, tokens.bin (uint32 stream), meta.json.
+    """Tokenize every source of cfg once into out_dir: tokenizer.json, sources/<name>-<key>.bin, meta.json.
 
     Collective when world > 1: every rank calls it, and all_gather(obj) must return the list
     of every rank's obj (e.g. torch.distributed.all_gather_object on a gloo group). Rank 0
-    trains or loads the tokenizer; then rank r tokenizes the work units u with u % world == r
-    (see _rank_units) into parts/ of out_dir + '.tmp' (a directory every rank can reach), and
-    rank 0 joins them in unit order. The stream is therefore the same at every world size.
+    trains (on the sources in proportion to their weights) or loads the tokenizer; then, for
+    each source not prepared yet, rank r tokenizes the work units u with u % world == r (see
+    _rank_units) into a parts folder every rank can reach, and rank 0 joins them in unit
+    order into the source's token file (uint16 when the vocabulary fits, else uint32). The
+    files are therefore the same at every world size.
 
-    Reuses what an earlier call left there, so a resumed run reads the same tokens. Writes
-    into out_dir + '.tmp' and renames it at the end: bad input or a crash leaves no out_dir.
-    Returns the meta dict on every rank. Raises DataError, on every rank, for bad input found
-    on any rank, or if out_dir was prepared with other data settings.
+    A source is keyed by its reading settings and the tokenizer: one prepared earlier (under
+    any name) is reused, so changing weights or stages, or adding a source, tokenizes only
+    the new one. A first preparation is written into out_dir + '.tmp' and renamed at the
+    end, so bad input or a crash leaves no out_dir; a later one writes meta.json last. A
+    directory prepared before mixtures (one uint32 tokens.bin) is read as its one source.
+    Returns the meta dict (data.read_meta's layout plus "n_tokens" and "n_documents" of
+    cfg's sources) on every rank. Raises DataError, on every rank, for bad input found on
+    any rank, or if out_dir holds the tokenizer or a source of that name prepared otherwise.
     """
     tmp = out_dir + ".tmp"
-    parts = os.path.join(tmp, "parts")
+    plan: dict = {}
 
     def agree(fn):
         """fn() on this rank; the results of all ranks, or the first rank's DataError on every rank."""
@@ -173,95 +186,166 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
         errors = [e for _, e in gathered if e is not None]
         if errors:
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(tmp if plan.get("work") in (None, tmp) else os.path.join(out_dir, PARTS),
+                              ignore_errors=True)
             raise DataError(errors[0])
         return [r for r, _ in gathered]
 
-    done = agree(lambda: _start_prepare(cfg, out_dir, tmp) if rank == 0 else None)[0]
-    if done is not None:
-        return done
+    plan.update(agree(lambda: _start_prepare(cfg, out_dir, tmp) if rank == 0 else None)[0])
+    work, meta, by_name = plan["work"], plan["meta"], {s.name: s for s in cfg.source_list()}
     tokenizer = None
 
-    def tokenize_mine():
+    def tokenize_mine(src, parts):
         nonlocal tokenizer
-        if not os.path.isfile(os.path.join(tmp, "tokenizer.json")):
-            raise DataError(f"rank {rank} cannot see '{tmp}', which rank 0 wrote: the run directory must be on "
+        if not os.path.isfile(os.path.join(work, "tokenizer.json")):
+            raise DataError(f"rank {rank} cannot see '{work}', which rank 0 wrote: the run directory must be on "
                             f"a filesystem that every node shares")
-        tokenizer = load_tokenizer(os.path.join(tmp, "tokenizer.json"))
-        n_units, units = _rank_units(cfg, rank, world)
-        progress = _ProgressLines(rank == 0, n_units, rank, world)
+        tokenizer = tokenizer or load_tokenizer(os.path.join(work, "tokenizer.json"))
+        n_units, units = _rank_units(src, rank, world)
+        progress = _ProgressLines(rank == 0, n_units, rank, world, src.name)
         counts = []
         for u, texts in units:
             with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
-                counts.append((u, *tokenize_documents(texts, tokenizer, out)))
+                counts.append((u, *tokenize_documents(texts, tokenizer, out, meta["dtype"])))
             progress.unit_done(*counts[-1][1:])
         return counts
 
-    counts = sorted(c for rank_counts in agree(tokenize_mine) for c in rank_counts)
-    return agree(lambda: _finish_prepare(cfg, out_dir, tmp, tokenizer, counts) if rank == 0 else None)[0]
+    for name, file in plan["todo"]:
+        src, parts = by_name[name], os.path.join(work, PARTS, name)
+        counts = sorted(c for rank_counts in agree(lambda: tokenize_mine(src, parts)) for c in rank_counts)
+        record = agree(lambda: _join_source(src, work, parts, file, counts, meta["dtype"]) if rank == 0 else None)[0]
+        meta["sources"][name] = record
+    agree(lambda: _finish_prepare(out_dir, tmp, work, meta, plan["changed"]) if rank == 0 else None)
+    meta = {**meta, "tokenizer": os.path.join(out_dir, "tokenizer.json")}
+    records = [meta["sources"][name] for name in by_name]
+    return {**meta, "n_tokens": sum(r["n_tokens"] for r in records),
+            "n_documents": sum(r["n_documents"] for r in records)}
 
 
-# Fields that decide the token stream; seq_len, val_fraction and the shuffle apply when it is read.
-_PREPARED_FROM = ("dataset", "dataset_config", "split", "text_column", "max_documents", "decode_errors",
-                  "tokenizer", "tokenizer_vocab_size", "tokenizer_train_chars")
+PARTS = ".parts"
+"""Folder of the ranks' tokenized work units while a source is prepared (inside the data directory or its .tmp)."""
 
 
-def _prepared_from(cfg: DataConfig) -> dict:
-    """The data settings a prepared directory records and a later run must repeat."""
-    return {k: getattr(cfg, k) for k in _PREPARED_FROM}
+def _changed(old: dict, new: dict, field) -> list[str]:
+    return [f"{field(k)}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v]
 
 
-def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict | None:
-    """Rank 0: the meta of an earlier, matching preparation; or None after writing tmp/tokenizer.json."""
+def _other_settings(out_dir: str, changed: list[str], also: str = "") -> DataError:
+    return DataError(f"'{out_dir}' was prepared with other data settings ({'; '.join(changed)}); use a new "
+                     f"--run_dir, {also}or the settings the run started with")
+
+
+def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
+    """Rank 0: the plan {"work": folder to write in, "meta", "todo": [(source name, file)], "changed"}.
+
+    Checks an earlier preparation against cfg, or starts a new one in tmp with the tokenizer.
+    """
     meta_path = os.path.join(out_dir, "meta.json")
+    wanted_tok = {k: getattr(cfg, k) for k in TOKENIZER_FIELDS}
     if os.path.exists(meta_path):
-        meta = read_meta(out_dir)
-        wanted = _prepared_from(cfg)
-        changed = [f"data.{k}: {meta['config'].get(k)!r} -> {v!r}" for k, v in wanted.items()
-                   if meta.get("config", {}).get(k) != v]
+        meta, work = read_meta(out_dir), out_dir
+        changed = _changed(meta["tokenizer_config"], wanted_tok, lambda k: f"data.{k}")
         if changed:
-            raise DataError(
-                f"'{out_dir}' was prepared with other data settings ({'; '.join(changed)}); "
-                f"use a new --run_dir, or the settings the run started with"
-            )
-        return meta
-    shutil.rmtree(tmp, ignore_errors=True)
-    if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):  # ours has meta.json (tmp is renamed whole): this is someone's files
-        raise DataError(f"'{out_dir}' exists but was not prepared by this tool (no meta.json); move it away, "
-                        f"or use another --run_dir")
-    shutil.rmtree(out_dir, ignore_errors=True)  # an empty folder
-    os.makedirs(os.path.join(tmp, "parts"))
-    if cfg.tokenizer:
-        tokenizer = load_tokenizer(cfg.tokenizer)
+            raise _other_settings(out_dir, changed)
+        shutil.rmtree(os.path.join(out_dir, PARTS), ignore_errors=True)
     else:
-        print(f"[data] training a byte-level BPE tokenizer of {cfg.tokenizer_vocab_size} tokens on up to "
-              f"{cfg.tokenizer_train_chars:,} characters of '{cfg.dataset}'", flush=True)
-        tokenizer = train_tokenizer(iter_documents(cfg), cfg.tokenizer_vocab_size, cfg.tokenizer_train_chars)
-    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-    return None
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.lexists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)):  # ours has meta.json (tmp is renamed whole): this is someone's files
+            raise DataError(f"'{out_dir}' exists but was not prepared by this tool (no meta.json); move it away, "
+                            f"or use another --run_dir")
+        shutil.rmtree(out_dir, ignore_errors=True)  # an empty folder
+        work = tmp
+        os.makedirs(tmp)
+        tokenizer = _make_tokenizer(cfg)
+        tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        meta = {"tokenizer": os.path.join(out_dir, "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size(),
+                "tokenizer_config": wanted_tok, "sources": {}}
+    meta.setdefault("dtype", token_dtype(meta["vocab_size"]))  # of the files written from now on
+    with open(os.path.join(work, "tokenizer.json"), "rb") as f:
+        tokenizer_hash = hashlib.sha1(f.read()).hexdigest()
+    todo, changed = [], work == tmp
+    for src in cfg.source_list():
+        record = meta["sources"].get(src.name)
+        if record is not None and record["config"] != src.reading():
+            raise _other_settings(out_dir, _changed(record["config"], src.reading(), src.field),
+                                  "" if src.name == DEFAULT_SOURCE else "another source name, ")
+        same = [r for r in meta["sources"].values() if r["config"] == src.reading()]
+        if record is None and same:  # prepared under another name: the same tokens
+            meta["sources"][src.name], changed = same[0], True
+        elif record is None:
+            key = hashlib.sha1(json.dumps({"source": src.reading(), "tokenizer": tokenizer_hash},
+                                          sort_keys=True).encode()).hexdigest()[:12]
+            todo.append((src.name, os.path.join("sources", f"{src.name}-{key}.bin")))
+            os.makedirs(os.path.join(work, PARTS, src.name))
+            changed = True
+        _say_cap(src, "tokenizing" if record is None and not same else "prepared")
+    return {"work": work, "meta": meta, "todo": todo, "changed": changed}
 
 
-def _finish_prepare(cfg: DataConfig, out_dir: str, tmp: str, tokenizer, counts: list[tuple[int, int, int]]) -> dict:
-    """Rank 0: join the parts in unit order into tokens.bin, write meta.json, rename tmp to out_dir."""
+def _say_cap(src, verb: str) -> None:
+    field = "data.max_documents" if src.name == DEFAULT_SOURCE else \
+        f"{src.field('max_documents')}, or data.max_documents when the table leaves it out"
+    cap = f": its first {src.max_documents:,} documents only ({field}; 0 reads all)" if src.max_documents else ""
+    print(f"[data] source '{src.name}' ({src.dataset}) {verb}{cap}", flush=True)
+
+
+def _make_tokenizer(cfg: DataConfig):
+    """Rank 0: the tokenizer of data.tokenizer, or one trained on the sources in proportion to their weights."""
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer)
+    srcs = cfg.source_list()
+    shares = ", ".join(f"{s.name} {s.weight / sum(x.weight for x in srcs):.0%}" for s in srcs)
+    print(f"[data] training a byte-level BPE tokenizer of {cfg.tokenizer_vocab_size} tokens on up to "
+          f"{cfg.tokenizer_train_chars:,} characters of {shares}", flush=True)
+    return train_tokenizer(tokenizer_texts(cfg), cfg.tokenizer_vocab_size, cfg.tokenizer_train_chars)
+
+
+def tokenizer_texts(cfg: DataConfig) -> Iterator[str]:
+    """Documents to train a tokenizer on: each source's first ones, up to tokenizer_train_chars x its weight share."""
+    srcs = cfg.source_list()
+    total = sum(s.weight for s in srcs)
+    for src in srcs:
+        budget, seen = cfg.tokenizer_train_chars * src.weight / total, 0
+        for text in iter_documents(src) if budget > 0 else ():
+            if seen >= budget:
+                break
+            seen += len(text)
+            yield text
+
+
+def _join_source(src, work: str, parts: str, file: str, counts: list[tuple[int, int, int]], dtype: str) -> dict:
+    """Rank 0: join the parts in unit order into work/file; returns the source's meta record."""
     if [u for u, _, _ in counts] != list(range(len(counts))):
-        raise DataError(f"data.dataset: '{cfg.dataset}' changed while it was read (work units {counts[:5]}...)")
+        raise DataError(f"{src.field('dataset')}: '{src.dataset}' changed while it was read (work units "
+                        f"{counts[:5]}...)")
     n_docs = sum(n for _, _, n in counts)
     if n_docs == 0:
-        raise DataError(f"data.dataset: '{cfg.dataset}' holds no non-empty document; point it at real text")
-    with open(os.path.join(tmp, "tokens.bin"), "wb") as out:
+        raise DataError(f"{src.field('dataset')}: '{src.dataset}' holds no non-empty document; point it at real text"
+                        + ("" if src.name == DEFAULT_SOURCE else " or remove the source"))
+    path = os.path.join(work, file)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "wb") as out:
         for u, _, _ in counts:
-            part = os.path.join(tmp, "parts", f"{u:07d}.bin")
+            part = os.path.join(parts, f"{u:07d}.bin")
             with open(part, "rb") as f:
                 shutil.copyfileobj(f, out, 1 << 24)
             os.remove(part)
-    os.rmdir(os.path.join(tmp, "parts"))
-    meta = {"tokenizer": os.path.join(out_dir, "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size(),
-            "n_tokens": sum(n for _, n, _ in counts), "n_documents": n_docs, "work_units": len(counts),
-            "config": _prepared_from(cfg)}
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(tmp, out_dir)
-    return meta
+    os.replace(path + ".tmp", path)
+    os.rmdir(parts)
+    return {"file": file, "dtype": dtype, "n_tokens": sum(n for _, n, _ in counts), "n_documents": n_docs,
+            "work_units": len(counts), "config": src.reading()}
+
+
+def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool) -> None:
+    """Rank 0: write meta.json (when anything changed) and, for a first preparation, rename tmp to out_dir."""
+    shutil.rmtree(os.path.join(work, PARTS), ignore_errors=True)
+    if changed:
+        record = {k: v for k, v in meta.items() if k != "legacy"}
+        with open(os.path.join(work, "meta.json.tmp"), "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(os.path.join(work, "meta.json.tmp"), os.path.join(work, "meta.json"))
+    if work == tmp:
+        os.replace(tmp, out_dir)
 
 
 def prepare_on_all_ranks(cfg: DataConfig, out_dir: str) -> dict:
@@ -300,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_config(argv, __doc__, require_file=True)
         check_source(cfg.data)
         if command == "tokenizer":
-            tok = train_tokenizer(iter_documents(cfg.data), cfg.data.tokenizer_vocab_size,
+            tok = train_tokenizer(tokenizer_texts(cfg.data), cfg.data.tokenizer_vocab_size,
                                   cfg.data.tokenizer_train_chars)
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             tok.save(out)
@@ -319,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 distributed.abandon_distributed()
         if int(os.environ.get("RANK", 0)) == 0:
-            print(json.dumps({k: v for k, v in meta.items() if k != "config"}))
+            print(json.dumps({"tokenizer": meta["tokenizer"], "vocab_size": meta["vocab_size"],
+                              "n_tokens": meta["n_tokens"], "n_documents": meta["n_documents"],
+                              "sources": {n: {k: v for k, v in r.items() if k != "config"}
+                                          for n, r in meta["sources"].items()}}))
     except UserError as e:
         report(e)
         return 2

@@ -1,7 +1,10 @@
 """The tokenizer: train a byte-level BPE on the corpus (Hugging Face ``tokenizers``), or load one.
 
 Special tokens get ids 0, 1, 2: ``[PAD]``, ``[BOT]``, ``[EOT]``. The packer puts ``[EOT]``
-after every document, so every tokenizer this project reads must have it.
+after every document, so every tokenizer this project reads must have it. Text always encodes
+as plain text (``encode_plain``): ``tokenizers`` would otherwise match the literal string
+"[EOT]" inside a document as the special token, even with ``add_special_tokens=False``, and
+make a false document boundary.
 """
 from __future__ import annotations
 
@@ -41,6 +44,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, max_chars: int):
 
     tok.train_from_iterator(limited(), trainer=trainer)
     return tok
+
+
+def encode_plain(tok, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, as plain text: special-token strings in it ("[EOT]") get ordinary ids.
+
+    The one encoder of document text (preparation, evaluation on another source, generation
+    prompts): sets tok.encode_special_tokens (the tokenizers >= 0.15 switch) and adds no
+    special token. Returns one list of ints per text.
+    """
+    tok.encode_special_tokens = True
+    return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
 
 
 def load_tokenizer(path: str):

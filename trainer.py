@@ -32,7 +32,7 @@ from checkpoint import (
     saved_config,
 )
 from config import Config, check_tokenizer, compute_dtype, parse_config, validate
-from data import DataState, GlobalBatchLoader, PackedCorpus, val_batches
+from data import DataState, GlobalBatchLoader, PackedCorpus, mixture_note, val_batches, val_record
 from errors import PeerError, SetupError, TrainingError, UserError, report
 from loss import applied_chunk_size, has_tp, loss_context, scalar, token_loss_sum
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
@@ -182,7 +182,8 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
         batch = saved_config(path).get("train", {}).get("global_batch_size", cfg.train.global_batch_size)
         note = "" if batch == cfg.train.global_batch_size else \
             f"train.global_batch_size {batch} -> {cfg.train.global_batch_size} (the data position is kept, in samples)"
-        return path, note
+        mix = mixture_note(saved_config(path).get("data", {}), cfg.data)
+        return path, "; ".join(n for n in (note, mix) if n)
 
     path, note = distributed.on_rank0(find_resume, rank) if resume else (None, "")
     if path is not None:
@@ -214,7 +215,7 @@ def start_line(s: Session, fpt: float) -> str:
     return (f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {s.device.type} {cfg.train.dtype} | "
             f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
             f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
-            f"{s.corpus.n_val} val sequences | {loss_description(cfg, mesh)} | {start}"
+            f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
             + (f" | {s.resume_note}" if s.resume_note else ""))
 
 
@@ -276,7 +277,7 @@ def train(s: Session) -> int:
             tps = (train_state.tokens_seen - tokens_last) / (time.perf_counter() - t_last)
             record = {"step": step, "loss": loss_sum.item() / n_targets, "lr": lr, "grad_norm": grad_norm,
                       "tokens_per_sec": tps, "mfu": tps * fpt / peak_total, "tokens_seen": train_state.tokens_seen,
-                      "epoch": loader.epoch, "peak_mem_gib": peak_memory_gib(device)}
+                      "epoch": loader.epoch, "peak_mem_gib": peak_memory_gib(device), **loader.source_tokens()}
             if not math.isfinite(grad_norm):
                 record["skipped"] = True
             log.write(record)
@@ -285,9 +286,11 @@ def train(s: Session) -> int:
 
         paused = time.perf_counter()
         if val and cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
-            val_loss = validation_loss(model, val, device, mesh, cfg.train.loss_chunk_size)
-            log.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-            progress.write(f"[val] step {step}: val_loss {val_loss:.4f}")
+            val_losses = {v.name: validation_loss(model, v.batches, device, mesh, cfg.train.loss_chunk_size)
+                          for v in val}  # each source's windows alone
+            record = val_record(val_losses, val)
+            log.write({"step": step, **record})
+            progress.write(f"[val] step {step}: val_loss {record['val_loss']:.4f}")
         if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
             ckpt.save(step, s.app)
         stopped_by = stop.any_rank()

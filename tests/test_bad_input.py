@@ -132,7 +132,7 @@ def test_undecodable_bytes_can_be_replaced_on_request(tmp_path):
     src.mkdir()
     (src / "a.txt").write_bytes(b"caf\xe9 " * 2000)
     cfg = data.DataConfig(dataset=str(src), decode_errors="replace")
-    assert next(sources.iter_documents(cfg)).startswith("caf\ufffd ")
+    assert next(sources.iter_documents(cfg.source_list()[0])).startswith("caf\ufffd ")
 
 
 @pytest.mark.slow

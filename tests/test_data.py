@@ -48,10 +48,21 @@ def corpus_dir(tmp_path_factory):
     return cfg, str(out), meta, texts
 
 
+def source_file(out, name="default") -> str:
+    """Path of a prepared source's token file."""
+    return os.path.join(str(out), data.read_meta(str(out))["sources"][name]["file"])
+
+
+def source_tokens(out, name="default") -> np.ndarray:
+    """A prepared source's token stream, in the dtype meta.json records."""
+    return np.fromfile(source_file(out, name), dtype=data.read_meta(str(out))["sources"][name]["dtype"])
+
+
 def test_prepared_corpus_counts_one_eot_per_nonempty_document_and_round_trips(corpus_dir):
     cfg, out, meta, texts = corpus_dir
     tok = tokenizer.load_tokenizer(os.path.join(out, "tokenizer.json"))
-    tokens = np.fromfile(os.path.join(out, "tokens.bin"), dtype=np.uint32)
+    tokens = source_tokens(out)
+    assert tokens.dtype == np.uint16  # 300 ids fit
     eot = tok.token_to_id("[EOT]")
     nonempty = [t for t in sorted(texts, key=lambda t: t) if t]
     assert meta["n_documents"] == len(nonempty) == (tokens == eot).sum()
@@ -101,8 +112,8 @@ def test_epochs_are_permutations_and_reshuffle(corpus_dir):
     corpus = PackedCorpus(out, cfg)
     ld = _loader(corpus, 0, 1)
     n = corpus.n_train
-    first = [ld._index(g) for g in range(n)]
-    second = [ld._index(g) for g in range(n, 2 * n)]
+    first = [ld._index(0, g) for g in range(n)]
+    second = [ld._index(0, g) for g in range(n, 2 * n)]
     assert sorted(first) == sorted(second) == list(range(n))
     assert first != second
 
@@ -126,8 +137,8 @@ def test_validation_windows_are_held_out_from_training(corpus_dir):
     train_starts = {i * cfg.seq_len for i in range(corpus.n_train)}
     val_starts = {(corpus.n_train + i) * cfg.seq_len for i in range(corpus.n_val)}
     assert not train_starts & val_starts
-    batches = [data.val_batches(corpus, 100, 1, r, 2) for r in range(2)]
-    assert len(batches[0]) == len(batches[1])  # equal forward passes on every rank
+    (first,), (second,) = [data.val_batches(corpus, 100, 1, r, 2) for r in range(2)]
+    assert len(first.batches) == len(second.batches)  # equal forward passes on every rank
 
 
 def test_indivisible_batch_and_too_small_corpus_are_rejected(corpus_dir):
@@ -141,7 +152,7 @@ def test_indivisible_batch_and_too_small_corpus_are_rejected(corpus_dir):
 
 def test_missing_and_empty_sources_fail_with_the_field(tmp_path):
     with pytest.raises(DataError, match="data.dataset: no file matches"):
-        list(sources.iter_documents(DataConfig(dataset=str(tmp_path / "nope" / "*.txt"))))
+        list(sources.iter_documents(DataConfig(dataset=str(tmp_path / "nope" / "*.txt")).source_list()[0]))
     (tmp_path / "empty.txt").write_text("   \n")
     tokenizer.train_tokenizer(["hello world"], 300, 1000).save(str(tmp_path / "tok.json"))
     cfg = DataConfig(dataset=str(tmp_path / "empty.txt"), tokenizer=str(tmp_path / "tok.json"))
@@ -153,10 +164,10 @@ def test_missing_and_empty_sources_fail_with_the_field(tmp_path):
 def test_jsonl_source_reads_the_text_column_and_reports_a_missing_one(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"body": f"text {i}"}) for i in range(3)))
-    docs = list(sources.iter_documents(DataConfig(dataset=str(path), text_column="body")))
+    docs = list(sources.iter_documents(DataConfig(dataset=str(path), text_column="body").source_list()[0]))
     assert docs == ["text 0", "text 1", "text 2"]
     with pytest.raises(DataError, match="data.text_column"):
-        list(sources.iter_documents(DataConfig(dataset=str(path))))
+        list(sources.iter_documents(DataConfig(dataset=str(path)).source_list()[0]))
 
 
 def test_stdlib_default_corpus_exists_offline():
@@ -171,7 +182,7 @@ def test_prepare_and_tokenizer_commands(tmp_path, capsys):
     assert prepare.main(["prepare", "--config", DEBUG, "--run_dir", str(tmp_path), "--data.max_documents", "20"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     meta = json.loads(lines[-1])
-    assert meta["n_documents"] == 20 and (tmp_path / "data" / "tokens.bin").stat().st_size == 4 * meta["n_tokens"]
+    assert meta["n_documents"] == 20 and os.path.getsize(source_file(tmp_path / "data")) == 2 * meta["n_tokens"]
     # Progress on the way: the tokenizer, then rank 0's units, documents, tokens and tokens/s.
     assert any(line.startswith("[data] training a byte-level BPE tokenizer of 4096 tokens") for line in lines)
     assert any(line.startswith(f"[data] rank 0: 1/1 units, 20 documents, {meta['n_tokens']:,} tokens, ")
@@ -240,10 +251,10 @@ def test_tokenizing_on_3_ranks_writes_the_stream_of_1_rank_byte_for_byte(tmp_pat
     ref = prepare.prepare(cfg, str(tmp_path / "one"))
     metas = _prepare_on_ranks(cfg, str(tmp_path / "three"), 3)
     assert all(m == {**ref, "tokenizer": str(tmp_path / "three" / "tokenizer.json")} for m in metas)
-    assert ref["work_units"] > 3 and ref["n_documents"] == (23 if source == "max_documents" else 37)
-    one, three = [(tmp_path / d / "tokens.bin").read_bytes() for d in ("one", "three")]
+    assert ref["sources"]["default"]["work_units"] > 3 and ref["n_documents"] == (23 if source == "max_documents" else 37)
+    one, three = [open(source_file(tmp_path / d), "rb").read() for d in ("one", "three")]
     assert one == three
-    assert sorted(os.listdir(tmp_path / "three")) == ["meta.json", "tokenizer.json", "tokens.bin"]
+    assert sorted(os.listdir(tmp_path / "three")) == ["meta.json", "sources", "tokenizer.json"]
 
 
 def test_bad_input_found_by_one_rank_fails_every_rank_and_leaves_nothing(tmp_path, monkeypatch):
@@ -267,14 +278,15 @@ def test_prepare_under_torchrun_equals_one_process(tmp_path):
     args = ["prepare", "--config", DEBUG, "--data.max_documents", "40"]
     assert prepare.main(args + ["--run_dir", str(tmp_path / "one")]) == 0
     torchrun(2, "prepare.py", *args, "--run_dir", str(tmp_path / "two"))
-    for name in ("tokens.bin", "tokenizer.json"):
+    for name in (os.path.relpath(source_file(tmp_path / "one" / "data"), tmp_path / "one" / "data"), "tokenizer.json"):
         assert (tmp_path / "one" / "data" / name).read_bytes() == (tmp_path / "two" / "data" / name).read_bytes()
 
 
 def test_a_damaged_data_directory_is_named_with_the_fix(corpus_dir, tmp_path):
     cfg, prepared, _, _ = corpus_dir
+    tokens = os.path.relpath(source_file(prepared), prepared)
     for i, (name, damage) in enumerate([("meta.json", b"\xff\xfe"), ("meta.json", b"{}"),
-                                        ("tokens.bin", b"\x00" * 1001), ("tokens.bin", b"")]):
+                                        (tokens, b"\x00" * 1001), (tokens, b"")]):
         bad = tmp_path / f"bad{i}"
         shutil.copytree(prepared, bad)
         (bad / name).write_bytes(damage)
