@@ -1,4 +1,4 @@
-"""The reading side of the data: the config, packed token windows, the global-cursor mixture loader.
+"""The reading side of the data: the config of sources and stages, and the packed token windows.
 
 A run's data directory (written by prepare.py) holds one flat token stream per source
 (``sources/<name>-<key>.bin``, uint16 or uint32 as meta.json says): every document followed
@@ -7,10 +7,7 @@ by one ``[EOT]``. Each is cut into windows of ``seq_len + 1`` tokens at stride `
 after the first is a target exactly once per epoch; only the stream's last partial window
 is left out. The last ``val_fraction`` of each source's windows is held out.
 
-Determinism across world sizes: the loader keeps a global position (DataState: samples and
-batches drawn, and each source's count). The global batch of step k is a function of that
-state and the seed alone (mixture.py has the rule), whatever the world size; data-parallel
-rank r takes the r-th contiguous slice. The state is all a checkpoint needs.
+loader.py draws the global batches from these windows; mixture.py has its sampling rule.
 """
 from __future__ import annotations
 
@@ -24,7 +21,6 @@ from typing import Literal
 import numpy as np
 import torch
 
-import mixture
 from errors import ConfigError, UserError
 
 
@@ -334,158 +330,3 @@ def mixture_note(saved: dict, cfg: DataConfig) -> str:
     if stages_then != stages_now:
         notes.append(f"data.stages {stages_then} -> {stages_now}")
     return "; ".join(notes) + (" (each source continues from its own position)" if notes else "")
-
-
-# ---------------------------------------------------------------- the loader
-
-@dataclasses.dataclass
-class DataState:
-    """Loader position, global and world-size independent (the same on every rank)."""
-
-    consumed_samples: int = 0
-    """Samples drawn since the start, all sources together."""
-    steps: int = 0
-    """Global batches drawn (it picks the stage of the weight schedule and seeds the batch's order)."""
-    source_samples: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Samples drawn from each source: its cursor through its own epochs."""
-
-
-class GlobalBatchLoader:
-    """Yields this rank's micro-batches of each global step of the mixture (see mixture.py for the rule).
-
-    Global batch k holds mixture.batch_counts(B, weights at step k, k) samples of each
-    source, each source's next ones in its own seeded epochs, shuffled by (seed, k). Rank r of
-    dp_size takes the contiguous slice [r*B/dp, (r+1)*B/dp) and splits it into micro-batches.
-    With one source this is exactly the loader before mixtures: samples [k*B, (k+1)*B) of
-    the epochs' permutations (torch.randperm(n_train) seeded with seed + epoch), unshuffled.
-    """
-
-    def __init__(self, corpus: PackedCorpus, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int, state: DataState | None = None):
-        if global_batch_size % (dp_size * micro_batch_size):
-            raise DataError(
-                f"train.global_batch_size ({global_batch_size}) must be divisible by data-parallel size "
-                f"({dp_size}) x train.micro_batch_size ({micro_batch_size})"
-            )
-        for i, src in enumerate(corpus.sources):
-            most = max(mixture.most_per_batch(global_batch_size, w)[i] for _, w in corpus.schedule)
-            if src.n_train < most:
-                what = "data.dataset" if src.name == DEFAULT_SOURCE else f"data.sources[{src.name}]"
-                raise DataError(
-                    f"{what}: only {src.n_train} training sequences of {corpus.seq_len} tokens, fewer than the "
-                    f"{most} it gives one global batch of train.global_batch_size ({global_batch_size}); use more "
-                    f"text, a shorter data.seq_len, a smaller batch or a smaller weight"
-                )
-        self.corpus = corpus
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.seed = seed
-        self.state = state or DataState()
-        self._perms: dict[str, tuple[int, np.ndarray]] = {}
-
-    def _upgrade(self) -> None:
-        # A checkpoint from before mixtures holds only consumed_samples, all drawn from the one source it had.
-        st = self.state
-        if st.consumed_samples and not st.steps and not st.source_samples:
-            st.source_samples = {DEFAULT_SOURCE: st.consumed_samples}
-            st.steps = st.consumed_samples // self.global_batch_size
-
-    def _index(self, source: int, g: int) -> int:
-        src = self.corpus.sources[source]
-        epoch, i = divmod(g, src.n_train)
-        if self._perms.get(src.name, (-1,))[0] != epoch:
-            perm = mixture.epoch_permutation(src.n_train, self.seed, src.name, epoch, src.name == DEFAULT_SOURCE)
-            self._perms[src.name] = (epoch, perm.numpy())
-        return int(self._perms[src.name][1][i])
-
-    def counts(self) -> list[int]:
-        """Samples of each source in the next global batch (corpus.sources order)."""
-        weights = mixture.weights_at(self.corpus.schedule, self.state.steps)
-        return mixture.batch_counts(self.global_batch_size, weights, self.state.steps)
-
-    def global_indices(self) -> list[tuple[int, int]]:
-        """The next global batch as [(source number, window index)], in batch order (the cursor does not move)."""
-        self._upgrade()
-        pairs = []
-        for s, count in enumerate(self.counts()):
-            start = self.state.source_samples.get(self.corpus.names[s], 0)
-            pairs += [(s, self._index(s, g)) for g in range(start, start + count)]
-        if len(self.corpus.sources) > 1:
-            pairs = [pairs[i] for i in mixture.batch_order(len(pairs), self.seed, self.state.steps)]
-        return pairs
-
-    def rank_indices(self) -> list[tuple[int, int]]:
-        """This rank's slice of the next global batch, [(source number, window index)] (the cursor does not move)."""
-        per_rank = self.global_batch_size // self.dp_size
-        return self.global_indices()[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
-
-    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches [(inputs, labels)] of the next global step, each (mb, seq_len) int64.
-
-        Advances the global cursor: consumed_samples by global_batch_size, steps by one, each
-        source's count by its share of the batch.
-        """
-        idx = self.rank_indices()
-        st = self.state
-        for name, count in zip(self.corpus.names, self.counts()):
-            st.source_samples[name] = st.source_samples.get(name, 0) + count
-        st.consumed_samples += self.global_batch_size
-        st.steps += 1
-        return self.corpus.batches(idx, self.micro_batch_size)
-
-    @property
-    def epoch(self) -> int:
-        """The furthest epoch any source is in (with one source: its epoch)."""
-        self._upgrade()
-        return max(self.state.source_samples.get(s.name, 0) // s.n_train for s in self.corpus.sources)
-
-    def source_tokens(self) -> dict[str, int]:
-        """{'tokens/<name>': training tokens drawn from that source} for a mixture of 2+ sources, else {}."""
-        if len(self.corpus.sources) < 2:
-            return {}
-        return {f"tokens/{n}": self.state.source_samples.get(n, 0) * self.corpus.seq_len for n in self.corpus.names}
-
-
-@dataclasses.dataclass
-class ValSet:
-    """One source's validation windows on this rank."""
-
-    name: str
-    batches: list
-    """This rank's [(inputs, labels)], each (<= mb, seq_len) int64; every rank gets as many."""
-    n_windows: int
-    """Windows over all ranks."""
-
-
-def val_batches(corpus: PackedCorpus, max_sequences: int, micro_batch_size: int, dp_rank: int,
-                dp_size: int) -> list[ValSet]:
-    """Each source's validation set: this rank's share of the first windows of its held-out tail.
-
-    Per source, the largest multiple of dp_size windows that is <= both max_sequences and
-    the source's held-out count, split into equal contiguous rank shares of micro-batches, so
-    every rank runs the same number of forward passes (FSDP gathers parameters collectively
-    in each). A source with too few held-out windows is left out.
-    """
-    out = []
-    for s, src in enumerate(corpus.sources):
-        per_rank = min(src.n_val, max_sequences) // dp_size
-        start = src.n_train + dp_rank * per_rank
-        if per_rank:
-            out.append(ValSet(src.name, corpus.batches([(s, i) for i in range(start, start + per_rank)],
-                                                       micro_batch_size), per_rank * dp_size))
-    return out
-
-
-def val_record(losses: dict[str, float], sets: list[ValSet]) -> dict:
-    """A validation record from each source's mean token loss: val_loss over the mixture, val_loss/<name> per source.
-
-    val_loss is the mean token loss over every evaluated window of every source (each
-    source weighs by its windows, not by its mixture weight, so the figure does not jump at a
-    stage). With one source it is that source's loss, and no per-source key is written.
-    """
-    if len(sets) == 1:
-        val = losses[sets[0].name]
-        return {"val_loss": val, "val_ppl": math.exp(min(val, 50))}
-    val = sum(losses[v.name] * v.n_windows for v in sets) / sum(v.n_windows for v in sets)
-    return {"val_loss": val, "val_ppl": math.exp(min(val, 50)), **{f"val_loss/{k}": x for k, x in losses.items()}}

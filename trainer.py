@@ -32,8 +32,9 @@ from checkpoint import (
     saved_config,
 )
 from config import Config, check_tokenizer, compute_dtype, parse_config, validate
-from data import DataState, GlobalBatchLoader, PackedCorpus, mixture_note, val_batches, val_record
+from data import PackedCorpus, mixture_note
 from errors import PeerError, SetupError, TrainingError, UserError, report
+from loader import DataState, GlobalBatchLoader, val_batches, val_record
 from loss import applied_chunk_size, has_tp, loss_context, scalar, token_loss_sum
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import Transformer, flops_per_token, num_params

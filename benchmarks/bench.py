@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import config as config_lib  # noqa: E402
 import data as data_lib  # noqa: E402
 import distributed  # noqa: E402
+import loader as loader_lib  # noqa: E402
 import metrics  # noqa: E402
 import model as model_lib  # noqa: E402
 import optim  # noqa: E402
@@ -68,7 +69,7 @@ def parse_args(argv):
                    help="another setting of our step: config overrides ('--train.compile true') and/or "
                         "'--src DIR' (model.py from DIR, e.g. a copy from before a change, with this "
                         "checkout's parallelization and step)")
-    p.add_argument("--loader_seconds", type=float, default=1.0, help="time data.GlobalBatchLoader this long (0: skip)")
+    p.add_argument("--loader_seconds", type=float, default=1.0, help="time loader.GlobalBatchLoader this long (0: skip)")
     p.add_argument("--profile", type=int, default=0, help="print the N ops with most self CPU time, per variant")
     p.add_argument("--layouts", default="", help="driver: comma list of RANKSxTHREADS, e.g. 1x2,2x1")
     p.add_argument("--rounds", type=int, default=1, help="driver: launches per layout, alternating")
@@ -202,7 +203,7 @@ def memory_step(v, batch, profile_rows: int) -> dict:
 
 
 def loader_rate(cfg, dp_rank: int, dp: int, seconds: float) -> float:
-    """Tokens/s per rank that data.GlobalBatchLoader.next_step delivers on cfg.data (prepared into
+    """Tokens/s per rank that loader.GlobalBatchLoader.next_step delivers on cfg.data (prepared into
     run_dir/data_<hash of the data settings> on rank 0 if needed); counts input tokens."""
     key = json.dumps([[s.reading() for s in cfg.data.source_list()],
                       [getattr(cfg.data, k) for k in data_lib.TOKENIZER_FIELDS]], sort_keys=True)
@@ -210,7 +211,7 @@ def loader_rate(cfg, dp_rank: int, dp: int, seconds: float) -> float:
     distributed.on_rank0(lambda: prepare.prepare(cfg.data, out), dist.get_rank())
     corpus = data_lib.PackedCorpus(out, cfg.data)
     micro = cfg.train.micro_batch(dp)
-    loader = data_lib.GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, dp_rank, dp, cfg.train.seed)
+    loader = loader_lib.GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, dp_rank, dp, cfg.train.seed)
     tokens, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         tokens += sum(inputs.numel() for inputs, _ in loader.next_step())

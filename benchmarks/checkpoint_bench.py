@@ -28,7 +28,8 @@ import optim  # noqa: E402
 import parallelize  # noqa: E402
 import trainer  # noqa: E402
 from checkpoint import AppState, TrainState  # noqa: E402
-from data import DataState, inputs_labels  # noqa: E402
+from data import inputs_labels  # noqa: E402
+from loader import DataState  # noqa: E402
 from model import num_params  # noqa: E402
 
 

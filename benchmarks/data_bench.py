@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mixture  # noqa: E402
 import prepare  # noqa: E402
 from config import parse_config  # noqa: E402
-from data import GlobalBatchLoader, PackedCorpus  # noqa: E402
+from data import PackedCorpus  # noqa: E402
+from loader import GlobalBatchLoader  # noqa: E402
 
 
 def time_prepare(cfg, dtype: str, runs: int, root: str) -> dict:

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import data
+import loader
 import prepare
 import sources
 import tokenizer
-from data import DataConfig, DataError, DataState, GlobalBatchLoader, PackedCorpus
+from data import DataConfig, DataError, PackedCorpus
+from loader import DataState, GlobalBatchLoader
 
 
 def test_pack_documents_keeps_every_token_and_one_separator_per_document():
@@ -137,7 +139,7 @@ def test_validation_windows_are_held_out_from_training(corpus_dir):
     train_starts = {i * cfg.seq_len for i in range(corpus.n_train)}
     val_starts = {(corpus.n_train + i) * cfg.seq_len for i in range(corpus.n_val)}
     assert not train_starts & val_starts
-    (first,), (second,) = [data.val_batches(corpus, 100, 1, r, 2) for r in range(2)]
+    (first,), (second,) = [loader.val_batches(corpus, 100, 1, r, 2) for r in range(2)]
     assert len(first.batches) == len(second.batches)  # equal forward passes on every rank
 
 

@@ -13,15 +13,17 @@ import pytest
 import torch
 
 import data
+import loader
 import mixture
 import prepare
 import sources
 import tokenizer
 from cli import to_toml
 from config import parse_config
-from data import DataConfig, DataError, DataState, GlobalBatchLoader, PackedCorpus, SourceConfig, StageConfig
+from data import DataConfig, DataError, PackedCorpus, SourceConfig, StageConfig
 from errors import ConfigError
 from launch import DEBUG, refused
+from loader import DataState, GlobalBatchLoader
 
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
 
@@ -293,10 +295,10 @@ def test_bad_mixtures_are_one_line_errors_naming_the_field(tmp_path, capsys, tab
 
 
 def test_val_loss_of_a_mixture_weighs_each_source_by_its_windows():
-    sets = [data.ValSet("a", [], 30), data.ValSet("b", [], 10)]
-    record = data.val_record({"a": 2.0, "b": 4.0}, sets)
+    sets = [loader.ValSet("a", [], 30), loader.ValSet("b", [], 10)]
+    record = loader.val_record({"a": 2.0, "b": 4.0}, sets)
     assert record["val_loss"] == pytest.approx((2.0 * 30 + 4.0 * 10) / 40) and record["val_loss/b"] == 4.0
-    assert data.val_record({"a": 2.5}, sets[:1]) == {"val_loss": 2.5, "val_ppl": pytest.approx(np.exp(2.5))}
+    assert loader.val_record({"a": 2.5}, sets[:1]) == {"val_loss": 2.5, "val_ppl": pytest.approx(np.exp(2.5))}
 
 
 def test_sources_are_tables_of_the_config_file_not_flags():
