@@ -75,8 +75,9 @@ class TrainConfig:
         for name in ("val_interval", "val_batches", "micro_batch_size", "loss_chunk_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if not self.collective_timeout_s > 0:
-            raise ConfigError(f"train.collective_timeout_s must be > 0 seconds, got {self.collective_timeout_s}")
+        if not 0 < self.collective_timeout_s <= 1e7:  # also refuses nan and inf, which no timer takes
+            raise ConfigError(f"train.collective_timeout_s must be a number of seconds in (0, 1e7], got "
+                              f"{self.collective_timeout_s}; the default is 300")
         parse_steps(self.profile_steps)
 
     def micro_batch(self, dp: int) -> int:

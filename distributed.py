@@ -28,14 +28,30 @@ LONG_TIMEOUT = datetime.timedelta(hours=24)
 peer is still caught, because torchrun stops every rank when one fails."""
 
 
+def _env_int(name: str, default: int, low: int, high: int | None = None) -> int:
+    """The int in environment variable name (default when unset); SetupError unless low <= it <= high."""
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        raise SetupError(f"{name} is '{text}', not an integer in {low}..{high if high is not None else ''}; launch "
+                         f"with torchrun, which sets it, or unset it for one process")
+    return value
+
+
 def world_size() -> int:
-    """WORLD_SIZE from torchrun's environment (1 for a plain python run)."""
-    return int(os.environ.get("WORLD_SIZE", 1))
+    """WORLD_SIZE from torchrun's environment (1 for a plain python run); SetupError if not a positive int."""
+    return _env_int("WORLD_SIZE", 1, 1)
 
 
 def local_world_size() -> int:
-    """LOCAL_WORLD_SIZE from torchrun's environment: the ranks on this node (WORLD_SIZE when unset)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    """LOCAL_WORLD_SIZE from torchrun's environment: the ranks on this node (WORLD_SIZE when unset).
+
+    Raises SetupError unless it is an int in 1..WORLD_SIZE.
+    """
+    return _env_int("LOCAL_WORLD_SIZE", world_size(), 1, world_size())
 
 
 def local_rank() -> int:

@@ -46,7 +46,8 @@ class ParallelConfig:
         if self.tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
         if self.dp_replicate < 1:
-            raise ConfigError(f"parallel.dp_replicate must be >= 1, got {self.dp_replicate}")
+            raise ConfigError(f"parallel.dp_replicate must be >= 1, got {self.dp_replicate}; use 1 (plain FSDP) or "
+                              f"the number of nodes (HSDP)")
         if self.prefetch < 1:
             raise ConfigError(f"parallel.prefetch must be >= 1, got {self.prefetch}")
 
@@ -63,11 +64,11 @@ def check_layout(cfg: ParallelConfig, world_size: int, local_world_size: int) ->
     if world_size % tp:
         raise SetupError(f"world size {world_size} is not divisible by parallel.tp ({tp}); launch a multiple of "
                          f"{tp} processes or change parallel.tp")
-    if (world_size // tp) % rep:
-        dp = world_size // tp
+    dp = world_size // tp
+    if dp % rep:
+        fix = f"use a divisor of {dp} (the number of nodes is usual)" if dp > 1 else "use parallel.dp_replicate 1"
         raise SetupError(f"parallel.dp_replicate ({rep}) does not divide the {dp} data-parallel rank(s) (world size "
-                         f"{world_size} / parallel.tp {tp}); use a divisor of {dp} (the number of nodes is usual) "
-                         f"or launch a multiple of {rep * tp} processes")
+                         f"{world_size} / parallel.tp {tp}); {fix} or launch a multiple of {rep * tp} processes")
     if local_world_size % tp:
         raise SetupError(f"parallel.tp ({tp}) does not divide the {local_world_size} process(es) of this node "
                          f"(LOCAL_WORLD_SIZE), so a TP group would span nodes; use a parallel.tp that divides "
@@ -79,10 +80,11 @@ def shard_group_note(cfg: ParallelConfig, world_size: int, local_world_size: int
     group = world_size // cfg.dp_replicate  # dp_shard x tp consecutive ranks
     if group <= local_world_size or world_size <= local_world_size:
         return ""
-    nodes = world_size // local_world_size
-    return (f"[train] notice: each FSDP shard group spans {group} ranks, more than the {local_world_size} of a "
-            f"node, so parameters are all-gathered across nodes every step; --parallel.dp_replicate {nodes} "
-            f"(the number of nodes) keeps them inside a node (HSDP)")
+    # This rank sees only its own node's size; the node count is exact when every node runs as many ranks.
+    nodes = f" {world_size // local_world_size}" if world_size % local_world_size == 0 else ""
+    return (f"[train] notice: each FSDP shard group spans {group} ranks, more than the {local_world_size} of this "
+            f"node, so parameters are all-gathered across nodes every step; --parallel.dp_replicate{nodes} (the "
+            f"number of nodes) keeps them inside a node (HSDP)")
 
 
 def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate: int = 1) -> DeviceMesh:

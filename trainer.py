@@ -393,6 +393,13 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
         cfg = parse_config(argv, description, require_file=True)
         check_run(cfg, distributed.world_size(), tp_plan, check_layout)
         return 130 if run(cfg, tp_plan) == signal.SIGINT else 0
+    except PeerError as e:
+        report(e)
+        # The process group is broken: leave now, before interpreter teardown races gloo's threads
+        # into an abort ("terminate called ..."). Everything worth keeping is written and closed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except UserError as e:
         report(e)
         return 2

@@ -17,16 +17,27 @@
 #SBATCH --signal=TERM@120
 #SBATCH --output=%x-%j.out
 set -euo pipefail
+USAGE="usage: slurm_train.sh [--dry-run] SCRIPT CONFIG RUN_DIR [--section.field value ...]"
 DRY_RUN=0
-if [[ "${1:-}" == "--dry-run" ]]; then
-    DRY_RUN=1
-    shift
+case "${1:-}" in
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "$USAGE"; exit 0 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+esac
+if [[ $# -lt 3 ]]; then
+    echo "$USAGE" >&2
+    exit 2
 fi
-SCRIPT=${1:?usage: slurm_train.sh [--dry-run] SCRIPT CONFIG RUN_DIR [--section.field value ...]}
-CONFIG=${2:?config file}
-RUN_DIR=${3:?run directory}
+SCRIPT=$1
+CONFIG=$2
+RUN_DIR=$3
 shift 3
-HEAD_NODE=${HEAD_NODE:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+# Outside an allocation (e.g. --dry-run on a laptop) set these yourself.
+: "${SLURM_NNODES:?not set: run under sbatch/salloc, or set SLURM_NNODES (and SLURM_JOB_ID, HEAD_NODE)}"
+: "${SLURM_JOB_ID:?not set: run under sbatch/salloc, or set SLURM_JOB_ID (any id shared by the nodes)}"
+if [[ -z "${HEAD_NODE:-}" ]]; then
+    : "${SLURM_JOB_NODELIST:?not set: run under sbatch/salloc, or set HEAD_NODE to the address of the first node}"
+    HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 # --rdzv-backend c10d: the agents meet on HEAD_NODE and number the nodes themselves, so every
 # node runs this same line (no --node_rank); each worker gets RANK, LOCAL_RANK and LOCAL_WORLD_SIZE.

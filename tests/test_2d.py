@@ -189,6 +189,10 @@ def test_more_ranks_than_gpus_on_a_node_fails(monkeypatch, capsys, tmp_path):
     ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, ["--parallel.tp", "2", "--parallel.dp_replicate", "4"],
      "parallel.dp_replicate (4) does not divide the 2 data-parallel rank(s) (world size 4 / parallel.tp 2)"),
     ({"WORLD_SIZE": "4"}, ["--parallel.dp_replicate", "0"], "parallel.dp_replicate must be >= 1, got 0"),
+    # torchrun's variables, read rather than assumed, and checked like any input.
+    ({"WORLD_SIZE": "abc"}, [], "WORLD_SIZE is 'abc', not an integer in 1.."),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "0"}, [], "LOCAL_WORLD_SIZE is '0', not an integer in 1..2"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "4"}, [], "LOCAL_WORLD_SIZE is '4', not an integer in 1..2"),
 ])
 def test_bad_mesh_fails_before_the_process_group(monkeypatch, capsys, tmp_path, env, args, expected):
     def reached(*args, **kwargs):

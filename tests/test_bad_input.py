@@ -64,6 +64,7 @@ PRE_GROUP = [
     (["--checkpoint.keep", "-2"], "checkpoint.keep must be >= 0, got -2"),
     (["--train.seed", "-1"], "train.seed must be in 0..2**32-1, got -1"),
     (["--model.rope_theta", "inf"], "model.rope_theta must be a finite number > 0, got inf"),
+    (["--train.collective_timeout_s", "inf"], "train.collective_timeout_s must be a number of seconds in (0, 1e7]"),
 ]
 
 
