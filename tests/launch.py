@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,8 +48,8 @@ def spawn(cmd: list[str], log_path, env: dict | None = None) -> subprocess.Popen
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def workers(agent_pid: int) -> dict[int, int]:
-    """{RANK: pid} of the live worker processes under a torchrun agent (read from /proc)."""
+def descendants(pid: int) -> list[int]:
+    """Every live process under pid (read from /proc; torchrun starts its workers in sessions of their own)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         try:
@@ -56,17 +57,34 @@ def workers(agent_pid: int) -> dict[int, int]:
                 children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
         except (OSError, ValueError, IndexError):
             continue
-    found, todo = {}, [agent_pid]
+    found, todo = [], [pid]
     while todo:
-        for pid in children.get(todo.pop(), []):
-            todo.append(pid)
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            except OSError:
-                continue
-            if b"TORCHELASTIC_RESTART_COUNT" in env and b"RANK" in env:
-                found[int(env[b"RANK"])] = pid
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL pid and every process under it, as a node failure would (killpg would miss the workers)."""
+    for p in [pid, *descendants(pid)]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def workers(agent_pid: int) -> dict[int, int]:
+    """{RANK: pid} of the live worker processes under a torchrun agent (read from /proc)."""
+    found = {}
+    for pid in descendants(agent_pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"TORCHELASTIC_RESTART_COUNT" in env and b"RANK" in env:
+            found[int(env[b"RANK"])] = pid
     return found
 
 

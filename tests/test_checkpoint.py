@@ -17,7 +17,7 @@ import checkpoint as ckpt_lib
 import distributed
 import trainer
 from config import parse_config
-from launch import DEBUG, REFERENCE_ARGS, ROOT, debug_run, losses, metrics, prepared_data_dir
+from launch import DEBUG, REFERENCE_ARGS, ROOT, debug_run, kill_tree, losses, metrics, prepared_data_dir
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,9 @@ def _kill_after(rd, nproc, step, sig, *extra):
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:
         if os.path.exists(rd / "metrics.jsonl") and any(r.get("step", 0) >= step for r in metrics(rd)):
-            os.killpg(p.pid, sig)
+            # SIGKILL hits every process, as a node failure would; SIGTERM/SIGINT the launcher's group,
+            # as a scheduler or a terminal does (torchrun forwards them to its workers).
+            kill_tree(p.pid) if sig == signal.SIGKILL else os.killpg(p.pid, sig)
             break
         time.sleep(0.01)
     return p.wait(timeout=120)

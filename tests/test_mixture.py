@@ -7,22 +7,31 @@ import gzip
 import importlib.util
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import data
+import distributed
 import loader
 import mixture
 import prepare
 import sources
 import tokenizer
+import trainer
+from checkpoint import AppState
 from cli import to_toml
 from config import parse_config
 from data import DataConfig, DataError, PackedCorpus, SourceConfig, StageConfig
 from errors import ConfigError
-from launch import DEBUG, refused
+from launch import DEBUG, ROOT, kill_tree, losses, metrics, prepared_data_dir, refused, torchrun
 from loader import DataState, GlobalBatchLoader
 
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
@@ -285,7 +294,6 @@ def test_sources_and_stages_round_trip_through_the_resolved_config(tmp_path):
     ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\nweigth = 1\n', "unknown config key 'data.sources[0].weigth'; did you mean 'weight'?"),
 ])
 def test_bad_mixtures_are_one_line_errors_naming_the_field(tmp_path, capsys, tables, msg):
-    import trainer
 
     toml = tmp_path / "bad.toml"
     toml.write_text(open(DEBUG).read().replace('dataset = "stdlib"\n', "") + "\n" + tables)
@@ -335,36 +343,9 @@ def _mixture_toml(tmp) -> str:
     return str(path)
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL pid and every process under it, as a node failure would (torchrun starts each worker in a
-    session of its own, so killing the launcher's process group would leave them running)."""
-    import signal
-
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _killed_after(cfg, rd, nproc, step):
     """Start a run, SIGKILL it and its workers once the checkpoint of `step` is committed."""
-    import subprocess
-    import sys
-    import time
 
-    from launch import ROOT
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "train_fsdp.py"), "--config", cfg, "--run_dir", str(rd), *MIXTURE_RUN]
@@ -373,7 +354,7 @@ def _killed_after(cfg, rd, nproc, step):
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:
         if os.path.isfile(rd / "checkpoints" / f"step_{step:08d}" / ".metadata"):
-            _kill_tree(p.pid)
+            kill_tree(p.pid)
             break
         time.sleep(0.01)
     rc = p.wait(timeout=60)
@@ -383,12 +364,7 @@ def _killed_after(cfg, rd, nproc, step):
 
 @pytest.mark.slow
 def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_path):
-    import re
-    import shutil
-    import subprocess
-    import sys
 
-    from launch import ROOT, losses, metrics, torchrun
 
     cfg = _mixture_toml(tmp_path)
     ref = tmp_path / "ref"
@@ -427,9 +403,7 @@ def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_pat
 
 @pytest.fixture(scope="module")
 def single_rank_group():
-    import torch.distributed as dist
 
-    import distributed
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
     yield
@@ -438,9 +412,7 @@ def single_rank_group():
 
 def _legacy_data_dir(rd) -> None:
     """rd/data as the code before mixtures left it: one uint32 tokens.bin and its meta.json."""
-    import shutil
 
-    from launch import prepared_data_dir
 
     prepared_data_dir(rd)
     out = os.path.join(str(rd), "data")
@@ -458,8 +430,6 @@ def _legacy_data_dir(rd) -> None:
 
 
 def test_a_run_directory_from_before_mixtures_trains_and_resumes(tmp_path, single_rank_group):
-    import trainer
-    from checkpoint import AppState
 
     rd = tmp_path / "old"
     _legacy_data_dir(rd)
