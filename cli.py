@@ -337,7 +337,12 @@ def help_text(root_cls, description: str = "", presets: dict[str, dict[str, dict
             lines.append(f"  [[{f.name}.{sub.name}]] tables (in the --config file): {docs.get(sub.name, '')}")
             item_docs = field_docs(item)
             for field in dataclasses.fields(item):
-                default = "unset" if field.default is None else repr(field.default)
+                if field.default_factory is not dataclasses.MISSING:
+                    default = repr(field.default_factory())
+                elif field.default is dataclasses.MISSING:
+                    default = "required"
+                else:
+                    default = "unset" if field.default is None else repr(field.default)
                 lines.append(f"      {field.name} {_type_name(_hints(item)[field.name])} "
                              f"(default {default}): {item_docs.get(field.name, '')}")
     return "\n".join(lines)

@@ -153,9 +153,12 @@ class DataConfig:
         last = -1
         for i, stage in enumerate(self.stages):
             where = f"data.stages[{i}]"
+            if stage.start_step < 0:
+                raise ConfigError(f"{where}.start_step must be >= 0 (optimizer steps before the stage), got "
+                                  f"{stage.start_step}")
             if stage.start_step <= last:
-                raise ConfigError(f"{where}.start_step ({stage.start_step}) must be >= 0 and after the previous "
-                                  f"stage's ({last}); list the stages in order of start_step")
+                raise ConfigError(f"{where}.start_step ({stage.start_step}) must be after the previous stage's "
+                                  f"({last}); list the stages in order of start_step")
             last = stage.start_step
             for name, w in stage.weights.items():
                 if name not in names:

@@ -149,6 +149,9 @@ def _guarded(cfg: SourceConfig, fn):
         return fn()
     except DataError:
         raise
+    except StopIteration:  # what datasets' json reader raises on an empty file
+        raise DataError(f"{cfg.field('dataset')}: '{cfg.dataset}' holds no rows; point it at real data or remove "
+                        f"the source") from None
     except Exception as e:
         first_line = (str(e).strip().splitlines() or [""])[0][:300]
         raise DataError(f"{cfg.field('dataset')}: cannot read '{cfg.dataset}': {type(e).__name__}: {first_line}") from e

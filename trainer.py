@@ -242,6 +242,10 @@ def train(s: Session) -> int:
                       dp_mesh(mesh).get_local_rank(), dp)
     if rank == 0:
         print(start_line(s, fpt), flush=True)
+        unvalidated = [n for n in s.corpus.names if n not in {v.name for v in val}]
+        if cfg.train.val_interval and len(s.corpus.names) > 1 and unvalidated:
+            print(f"[train] notice: no val_loss/<name> for {', '.join(unvalidated)}: fewer held-out windows than the "
+                  f"{dp} data-parallel rank(s); raise data.val_fraction or give the source more text", flush=True)
 
     stop = distributed.StopFlag()
     progress = Progress(cfg.train.steps, train_state.step, rank == 0)

@@ -115,6 +115,7 @@ def _bad_data_run(rd, *argv):
     ({"a.jsonl": json.dumps({"text": 5}) + "\n"}, [], "holds int, not text"),
     ({"a.txt": b"caf\xe9 latin-1"}, [], "is not valid UTF-8 (byte 3"),
     ({"a.csv": "text\nhello"}, [], "use one of .txt, .jsonl, .parquet"),
+    ({"a.jsonl": ""}, [], "holds no rows; point it at real data"),
 ])
 @pytest.mark.slow
 def test_bad_data_fails_with_the_file_and_leaves_no_data_behind(tmp_path, files, extra, msg):

@@ -285,9 +285,9 @@ def test_sources_and_stages_round_trip_through_the_resolved_config(tmp_path):
     ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = 3\nweights = { b = 1 }\n',
      "data.stages[0].weights names 'b', which is not a source (sources: a)"),
     ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = 3\nweights = { a = 1 }\n'
-     '[[data.stages]]\nstart_step = 3\nweights = { a = 2 }\n', "data.stages[1].start_step (3) must be >= 0 and after"),
+     '[[data.stages]]\nstart_step = 3\nweights = { a = 2 }\n', "data.stages[1].start_step (3) must be after the previous stage's (3)"),
     ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = -1\nweights = { a = 1 }\n',
-     "data.stages[0].start_step (-1) must be >= 0"),
+     "data.stages[0].start_step must be >= 0 (optimizer steps before the stage), got -1"),
     ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = 2\nweights = { a = 0 }\n',
      "data.stages[0].weights: every weight is 0"),
     ('[[data.sources]]\nname = "a b"\ndataset = "stdlib"\n', "data.sources: name 'a b' is not a name"),
