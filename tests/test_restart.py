@@ -45,14 +45,20 @@ def assert_same_run(rd, reference):
     assert all(torch.equal(weights[k], v) for k, v in ref_weights.items())
 
 
+def start_reference_run(tmp_path, script: str, max_restarts: int, env: dict | None = None):
+    """(run dir, torchrun process): the conftest reference run's arguments on 2 ranks under --max-restarts."""
+    rd = tmp_path / "run"
+    prepared_data_dir(rd)
+    proc = spawn(torchrun_command(2, script, "--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS,
+                                  launcher=("--standalone", f"--max-restarts={max_restarts}")),
+                 tmp_path / "log.txt", env=env)
+    return rd, proc
+
+
 @pytest.mark.slow
 def test_a_rank_killed_at_a_random_step_is_restarted_and_the_run_resumes_by_itself(tmp_path, reference):
     # From outside, as the OOM killer or a lost GPU would.
-    rd = tmp_path / "run"
-    prepared_data_dir(rd)
-    args = ["--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS]
-    proc = spawn(torchrun_command(2, "train_fsdp.py", *args, launcher=("--standalone", "--max-restarts=1")),
-                 tmp_path / "log.txt")
+    rd, proc = start_reference_run(tmp_path, "train_fsdp.py", max_restarts=1)
     kill_step = random.Random().randint(3, 8)
     wait_for_step(rd, kill_step, proc)
     os.kill(workers(proc.pid)[1], signal.SIGKILL)
@@ -65,11 +71,8 @@ def test_a_rank_killed_at_a_random_step_is_restarted_and_the_run_resumes_by_itse
 def test_ranks_killed_inside_checkpoint_saves_are_restarted_and_resume_from_complete_ones(tmp_path, reference):
     # Attempt 0: rank 1 dies as the save of step 4 starts (rank 0 waits inside DCP's save);
     # attempt 1: rank 0 dies with step 8 written but not committed. See tests/fault_worker.py.
-    rd = tmp_path / "run"
-    prepared_data_dir(rd)
-    args = ["--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS]
-    proc = spawn(torchrun_command(2, "tests/fault_worker.py", *args, launcher=("--standalone", "--max-restarts=2")),
-                 tmp_path / "log.txt", env={"FAULT": "1:4:write,0:8:commit"})
+    rd, proc = start_reference_run(tmp_path, "tests/fault_worker.py", max_restarts=2,
+                                   env={"FAULT": "1:4:write,0:8:commit"})
     resumed = assert_restarted_and_resumed(proc, tmp_path / "log.txt", 2)
     assert [os.path.basename(p) for p in resumed] == ["step_00000002", "step_00000006"]
     assert_same_run(rd, reference)
