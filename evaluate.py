@@ -56,13 +56,12 @@ def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0, sour
     """
     if source and source not in corpus.names:
         raise SetupError(f"--source: the run has no source '{source}'; use one of {', '.join(corpus.names)}")
+    if split not in ("train", "val", "all"):
+        raise SetupError(f"--split must be 'val', 'train' or 'all', got '{split}'")
     out = []
     for s, src in enumerate(corpus.sources):
         n_train, n_val = src.n_train, src.n_val
-        spans = {"train": (0, n_train), "val": (n_train, n_train + n_val), "all": (0, n_train + n_val)}
-        if split not in spans:
-            raise SetupError(f"--split must be 'val', 'train' or 'all', got '{split}'")
-        start, end = spans[split]
+        start, end = {"train": (0, n_train), "val": (n_train, n_train + n_val), "all": (0, n_train + n_val)}[split]
         if max_sequences > 0:
             end = min(end, start + max_sequences)
         if not source or source == src.name:

@@ -142,7 +142,8 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     rank) for bad data or a checkpoint that does not fit the model.
     """
     mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate)
-    dp = dp_mesh(mesh).size()
+    data_parallel = dp_mesh(mesh)
+    dp = data_parallel.size()
     torch.manual_seed(cfg.train.seed)
 
     # Data: all ranks tokenize their share of the corpus into the run directory, then map it.
@@ -155,7 +156,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     corpus = PackedCorpus(data_dir, cfg.data)
     micro = cfg.train.micro_batch(dp)
     data_state = DataState()
-    loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, dp_mesh(mesh).get_local_rank(), dp,
+    loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, data_parallel.get_local_rank(), dp,
                                cfg.train.seed, data_state)
 
     t = cfg.train
@@ -227,6 +228,7 @@ def train(s: Session) -> int:
     (SIGTERM or SIGINT: every rank finished the step and the checkpoint of that step is saved).
     """
     cfg, rank, device, dp, mesh = s.cfg, s.rank, s.device, s.dp, s.mesh
+    data_parallel = dp_mesh(mesh)  # looked up once, not at every logged step
     model, optimizer, scheduler, loader, train_state, ckpt = (s.model, s.optimizer, s.scheduler, s.loader,
                                                               s.train_state, s.ckpt)
     if rank == 0:
@@ -239,7 +241,7 @@ def train(s: Session) -> int:
     peak_total = peak.item()
     log = MetricsLog(cfg.run_dir, rank == 0, train_state.step, cfg.metrics.tensorboard)
     val = val_batches(s.corpus, cfg.train.val_batches * cfg.train.global_batch_size, s.micro_batch_size,
-                      dp_mesh(mesh).get_local_rank(), dp)
+                      data_parallel.get_local_rank(), dp)
     if rank == 0:
         print(start_line(s, fpt), flush=True)
         unvalidated = [n for n in s.corpus.names if n not in {v.name for v in val}]
@@ -277,7 +279,7 @@ def train(s: Session) -> int:
             progress.write(f"[profile] steps {cfg.train.profile_steps}: {trace}")
 
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
-            dist.all_reduce(loss_sum, group=dp_mesh(mesh).get_group())
+            dist.all_reduce(loss_sum, group=data_parallel.get_group())
             grad_norm = norm.item()
             tps = (train_state.tokens_seen - tokens_last) / (time.perf_counter() - t_last)
             record = {"step": step, "loss": loss_sum.item() / n_targets, "lr": lr, "grad_norm": grad_norm,
