@@ -4,9 +4,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -17,7 +14,18 @@ import checkpoint as ckpt_lib
 import distributed
 import trainer
 from config import parse_config
-from launch import DEBUG, REFERENCE_ARGS, ROOT, debug_run, kill_tree, losses, metrics, prepared_data_dir
+from launch import (
+    DEBUG,
+    REFERENCE_ARGS,
+    debug_run,
+    kill_tree,
+    losses,
+    metrics,
+    prepared_data_dir,
+    spawn,
+    torchrun_command,
+    wait_for_step,
+)
 
 
 @pytest.fixture(scope="module")
@@ -164,19 +172,12 @@ COMMON = REFERENCE_ARGS  # the conftest `reference` run's
 
 
 def _kill_after(rd, nproc, step, sig, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(ROOT, "train_fsdp.py"), "--config", DEBUG, "--run_dir", str(rd), *COMMON, *extra]
-    log = open(rd.parent / f"{rd.name}.log", "w")
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 240
-    while time.time() < deadline and p.poll() is None:
-        if os.path.exists(rd / "metrics.jsonl") and any(r.get("step", 0) >= step for r in metrics(rd)):
-            # SIGKILL hits every process, as a node failure would; SIGTERM/SIGINT the launcher's group,
-            # as a scheduler or a terminal does (torchrun forwards them to its workers).
-            kill_tree(p.pid) if sig == signal.SIGKILL else os.killpg(p.pid, sig)
-            break
-        time.sleep(0.01)
+    p = spawn(torchrun_command(nproc, "train_fsdp.py", "--config", DEBUG, "--run_dir", rd, *COMMON, *extra),
+              rd.parent / f"{rd.name}.log")
+    wait_for_step(rd, step, p)
+    # SIGKILL hits every process, as a node failure would; SIGTERM/SIGINT the launcher's group,
+    # as a scheduler or a terminal does (torchrun forwards them to its workers).
+    kill_tree(p.pid) if sig == signal.SIGKILL else os.killpg(p.pid, sig)
     return p.wait(timeout=120)
 
 

@@ -31,7 +31,18 @@ from cli import to_toml
 from config import parse_config
 from data import DataConfig, DataError, PackedCorpus, SourceConfig, StageConfig
 from errors import ConfigError
-from launch import DEBUG, ROOT, kill_tree, losses, metrics, prepared_data_dir, refused, torchrun
+from launch import (
+    DEBUG,
+    ROOT,
+    kill_tree,
+    losses,
+    metrics,
+    prepared_data_dir,
+    refused,
+    spawn,
+    torchrun,
+    torchrun_command,
+)
 from loader import DataState, GlobalBatchLoader
 
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
@@ -345,12 +356,8 @@ def _mixture_toml(tmp) -> str:
 
 def _killed_after(cfg, rd, nproc, step):
     """Start a run, SIGKILL it and its workers once the checkpoint of `step` is committed."""
-
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(ROOT, "train_fsdp.py"), "--config", cfg, "--run_dir", str(rd), *MIXTURE_RUN]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = spawn(torchrun_command(nproc, "train_fsdp.py", "--config", cfg, "--run_dir", rd, *MIXTURE_RUN),
+              rd.parent / f"{rd.name}.log")
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:
         if os.path.isfile(rd / "checkpoints" / f"step_{step:08d}" / ".metadata"):
@@ -364,8 +371,6 @@ def _killed_after(cfg, rd, nproc, step):
 
 @pytest.mark.slow
 def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_path):
-
-
     cfg = _mixture_toml(tmp_path)
     ref = tmp_path / "ref"
     torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(ref), *MIXTURE_RUN)
@@ -403,8 +408,6 @@ def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_pat
 
 @pytest.fixture(scope="module")
 def single_rank_group():
-
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -412,8 +415,6 @@ def single_rank_group():
 
 def _legacy_data_dir(rd) -> None:
     """rd/data as the code before mixtures left it: one uint32 tokens.bin and its meta.json."""
-
-
     prepared_data_dir(rd)
     out = os.path.join(str(rd), "data")
     meta = data.read_meta(out)
