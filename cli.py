@@ -312,6 +312,13 @@ def _type_name(typ) -> str:
     return getattr(typ, "__name__", str(typ))
 
 
+def _default_text(field: dataclasses.Field) -> str:
+    """A field's default for --help: repr of its default or of its default_factory's value, or 'required'."""
+    if field.default_factory is not dataclasses.MISSING:
+        return repr(field.default_factory())
+    return "required" if field.default is dataclasses.MISSING else repr(field.default)
+
+
 def help_text(root_cls, description: str = "", presets: dict[str, dict[str, dict]] | None = None) -> str:
     """Every field of root_cls as '--section.field TYPE (default X): doc', and each section's presets."""
     lines = [description, "", "usage: --config FILE.toml [--section.field VALUE ...]", ""]
@@ -320,7 +327,7 @@ def help_text(root_cls, description: str = "", presets: dict[str, dict[str, dict
     for f in dataclasses.fields(root_cls):
         cls = hints[f.name]
         if not dataclasses.is_dataclass(cls):
-            lines.append(f"  --{f.name} {_type_name(cls)} (default {f.default!r}): {top_docs.get(f.name, '')}")
+            lines.append(f"  --{f.name} {_type_name(cls)} (default {_default_text(f)}): {top_docs.get(f.name, '')}")
             continue
         lines.append(f"[{f.name}] {top_docs.get(f.name, '')}")
         if (presets or {}).get(f.name):
@@ -332,17 +339,12 @@ def help_text(root_cls, description: str = "", presets: dict[str, dict[str, dict
             item = _table_list(typ)
             if item is None:
                 lines.append(f"  --{f.name}.{sub.name} {_type_name(typ)} "
-                             f"(default {sub.default!r}): {docs.get(sub.name, '')}")
+                             f"(default {_default_text(sub)}): {docs.get(sub.name, '')}")
                 continue
             lines.append(f"  [[{f.name}.{sub.name}]] tables (in the --config file): {docs.get(sub.name, '')}")
             item_docs = field_docs(item)
             for field in dataclasses.fields(item):
-                if field.default_factory is not dataclasses.MISSING:
-                    default = repr(field.default_factory())
-                elif field.default is dataclasses.MISSING:
-                    default = "required"
-                else:
-                    default = "unset" if field.default is None else repr(field.default)
+                default = "unset" if field.default is None else _default_text(field)
                 lines.append(f"      {field.name} {_type_name(_hints(item)[field.name])} "
                              f"(default {default}): {item_docs.get(field.name, '')}")
     return "\n".join(lines)
