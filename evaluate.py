@@ -8,15 +8,17 @@ Prints one JSON line: {"loss": mean token loss (nats), "ppl": exp(loss), "tokens
 counted, "sequences", "split", "checkpoint"}. The windows are data.py's: each source's packed
 stream cut into seq_len + 1 tokens at stride seq_len; "val" is the held-out tail that training
 validates on (--max_sequences = train.val_batches x train.global_batch_size, which applies to
-each source, gives training's val_loss up to its rounding to the data-parallel size), "train"
+each source, gives training's val_loss exactly), "train"
 the rest, "all" both. Every window of the split of every source of the run's mixture (or of
 --source NAME alone) is counted once.
 
 Without --data.* overrides the run's prepared corpus is read as it is; with them (another
 source, e.g. --data.dataset notes.jsonl --split all, which replaces a run's [[data.sources]])
-that source is tokenized with the run's tokenizer, as plain text, into DIR/eval_data/<hash>/. The model is built, sharded and loaded with the
-training code (parallelize.build_model, loss.token_loss_sum, checkpoint.read_model_weights);
-only model weights are read, and the run directory's checkpoints are never touched.
+that source is tokenized with the run's tokenizer, as plain text, into DIR/eval_data/<hash>/.
+The model is built, sharded and loaded with the training code (parallelize.build_model,
+checkpoint.read_model_weights), and the windows are spread over ranks and scored by
+training's validation (validation.py). Only model weights are read, and the run
+directory's checkpoints are never touched.
 """
 from __future__ import annotations
 
@@ -29,8 +31,6 @@ import os
 import sys
 import tempfile
 
-import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import cli
@@ -40,9 +40,9 @@ from cli import ArgumentParser, number
 from config import compute_dtype, load_run, parse_config
 from data import DataError, PackedCorpus
 from errors import SetupError, UserError, report
-from loss import scalar, token_loss_sum
-from parallelize import build_mesh, build_model
+from parallelize import build_mesh, build_model, dp_mesh
 from prepare import prepare
+from validation import loss_sum_and_count, val_set
 
 # DataConfig fields that only cut, order or weigh the token streams; any other one changes the tokens.
 _READ_FIELDS = ("seq_len", "val_fraction", "seed", "stages")
@@ -70,36 +70,6 @@ def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0, sour
         raise SetupError(f"split '{split}' is empty ({corpus.n_train} train / {corpus.n_val} val windows of "
                          f"{corpus.seq_len + 1} tokens); use --split all or raise --data.val_fraction")
     return out
-
-
-def rank_batches(corpus: PackedCorpus, windows: list, micro_batch_size: int, rank: int, world: int):
-    """This rank's contiguous share of windows as [(inputs, labels)], each (<= micro_batch_size, seq_len) int64,
-    and the number of forward passes every rank must run (the largest share's batch count)."""
-    lo, hi = len(windows) * rank // world, len(windows) * (rank + 1) // world
-    largest = -(-len(windows) // world)
-    return corpus.batches(windows[lo:hi], micro_batch_size), -(-largest // micro_batch_size)
-
-
-@torch.no_grad()
-def loss_and_count(model, batches, n_steps: int, device, loss_chunk_size: int = 0):
-    """(sum of token losses, number of targets) over every rank's batches, as Python floats.
-
-    Uses training's loss (loss.token_loss_sum: fp32 cross-entropy, in chunks of loss_chunk_size
-    tokens when > 0). Runs n_steps
-    forward passes on each rank: a rank out of batches repeats one and discards its loss,
-    since FSDP gathers parameters collectively in every forward.
-    """
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    spare = (torch.zeros(1, 1, dtype=torch.long),) * 2  # for a rank with no window at all
-    for step in range(n_steps):
-        inputs, labels = batches[min(step, len(batches) - 1)] if batches else spare
-        loss = token_loss_sum(model, inputs.to(device), labels.to(device), loss_chunk_size)
-        if step < len(batches):
-            total[0] += scalar(loss).double()
-            total[1] += labels.numel()
-    dist.all_reduce(total)
-    return total[0].item(), total[1].item()
 
 
 def _source(data_cfg) -> dict:
@@ -164,14 +134,16 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
         windows = split_windows(corpus, split, max_sequences, source)
         micro = micro_batch_size or max(1, cfg.train.micro_batch(world))
         # Inference: no recompute or compile; the run's dtype (mixed precision) stays.
-        model = build_model(cfg.model, build_mesh(device, world), device, cfg.train.seed, cfg.parallel,
+        mesh = build_mesh(device, world)
+        model = build_model(cfg.model, mesh, device, cfg.train.seed, cfg.parallel,
                             dtype=compute_dtype(cfg.train, device))
         state = get_model_state_dict(model)
         read_model_weights(path, state, no_dist=False)
         set_model_state_dict(model, state)
 
-        batches, n_steps = rank_batches(corpus, windows, micro, rank, world)
-        loss_sum, count = loss_and_count(model, batches, n_steps, device, cfg.train.loss_chunk_size)
+        vs = val_set(corpus, split, windows, micro, rank, world)  # sharded as training's validation
+        loss_sum, count = loss_sum_and_count(model, vs, device, mesh, dp_mesh(mesh).get_group(),
+                                             cfg.train.loss_chunk_size)
         distributed.finish_distributed()
     finally:
         distributed.abandon_distributed()

@@ -1,4 +1,6 @@
-"""The loader: the global-cursor mixture loader and the validation windows, read from data.PackedCorpus.
+"""The loader: the global-cursor mixture loader of training batches, read from data.PackedCorpus.
+
+The held-out windows and their loss are validation.py's.
 
 Determinism across world sizes: the loader keeps a global position (DataState: samples and
 batches drawn, and each source's count). The global batch of step k is a function of that
@@ -8,7 +10,6 @@ rank r takes the r-th contiguous slice. The state is all a checkpoint needs.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import torch
@@ -124,47 +125,3 @@ class GlobalBatchLoader:
         if len(self.corpus.sources) < 2:
             return {}
         return {f"tokens/{n}": self.state.source_samples.get(n, 0) * self.corpus.seq_len for n in self.corpus.names}
-
-
-@dataclasses.dataclass
-class ValSet:
-    """One source's validation windows on this rank."""
-
-    name: str
-    batches: list
-    """This rank's [(inputs, labels)], each (<= mb, seq_len) int64; every rank gets as many."""
-    n_windows: int
-    """Windows over all ranks."""
-
-
-def val_batches(corpus: PackedCorpus, max_sequences: int, micro_batch_size: int, dp_rank: int,
-                dp_size: int) -> list[ValSet]:
-    """Each source's validation set: this rank's share of the first windows of its held-out tail.
-
-    Per source, the largest multiple of dp_size windows that is <= both max_sequences and
-    the source's held-out count, split into equal contiguous rank shares of micro-batches, so
-    every rank runs the same number of forward passes (FSDP gathers parameters collectively
-    in each). A source with too few held-out windows is left out.
-    """
-    out = []
-    for s, src in enumerate(corpus.sources):
-        per_rank = min(src.n_val, max_sequences) // dp_size
-        start = src.n_train + dp_rank * per_rank
-        if per_rank:
-            out.append(ValSet(src.name, corpus.batches([(s, i) for i in range(start, start + per_rank)],
-                                                       micro_batch_size), per_rank * dp_size))
-    return out
-
-
-def val_record(losses: dict[str, float], sets: list[ValSet]) -> dict:
-    """A validation record from each source's mean token loss: val_loss over the mixture, val_loss/<name> per source.
-
-    val_loss is the mean token loss over every evaluated window of every source (each
-    source weighs by its windows, not by its mixture weight, so the figure does not jump at a
-    stage). With one source it is that source's loss, and no per-source key is written.
-    """
-    if len(sets) == 1:
-        val = losses[sets[0].name]
-        return {"val_loss": val, "val_ppl": math.exp(min(val, 50))}
-    val = sum(losses[v.name] * v.n_windows for v in sets) / sum(v.n_windows for v in sets)
-    return {"val_loss": val, "val_ppl": math.exp(min(val, 50)), **{f"val_loss/{k}": x for k, x in losses.items()}}

@@ -34,7 +34,7 @@ from checkpoint import (
 from config import Config, check_tokenizer, compute_dtype, parse_config, validate
 from data import PackedCorpus, mixture_note
 from errors import PeerError, SetupError, TrainingError, UserError, report
-from loader import DataState, GlobalBatchLoader, val_batches, val_record
+from loader import DataState, GlobalBatchLoader
 from loss import applied_chunk_size, has_tp, loss_context, scalar, token_loss_sum
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import Transformer, flops_per_token, num_params
@@ -43,6 +43,7 @@ from parallelize import TPPlan, build_mesh, build_model, copy_sharded, dp_mesh, 
 from prepare import prepare_on_all_ranks
 from profiling import StepProfiler, parse_steps
 from progress import Progress
+from validation import loss_sum_and_count, val_batches, val_record
 
 # ---------------------------------------------------------------- the step
 
@@ -92,40 +93,95 @@ def optimizer_step(model, optimizer, grad_clip: float, device, skip_nonfinite: b
     return norm
 
 
-@torch.no_grad()
-def validation_loss(model, batches, device, mesh: DeviceMesh, loss_chunk_size: int = 0) -> float:
-    """Mean token loss over every data-parallel rank's batches (each rank must get as many batches)."""
-    model.eval()
-    total = torch.zeros(2, device=device, dtype=torch.float64)
-    chunk = applied_chunk_size(mesh, loss_chunk_size)
-    with loss_context(mesh)():
-        for inputs, labels in batches:
-            total[0] += scalar(token_loss_sum(model, inputs.to(device), labels.to(device), chunk)).double()
-            total[1] += labels.numel()
-    model.train()
-    dist.all_reduce(total, group=dp_mesh(mesh).get_group())
-    return (total[0] / total[1]).item()
+@dataclasses.dataclass
+class StepResult:
+    """What train_step returns; tensors stay on the device, so the step needs no host sync."""
 
+    loss_sum: torch.Tensor
+    """This rank's summed token loss of the step, a 0-dim fp32 tensor (see global_loss)."""
+    grad_norm: torch.Tensor
+    """The pre-clip global gradient norm, a 0-dim fp32 tensor (non-finite when the update was skipped)."""
+    lr: float
+    """The learning rate the update used."""
+    n_targets: int
+    """Target tokens of the step's global batch."""
 
-# ---------------------------------------------------------------- building a run
+    def global_loss(self, dp_group) -> float:
+        """The mean token loss of the step's global batch (collective over the data-parallel group; syncs)."""
+        total = self.loss_sum.clone()
+        dist.all_reduce(total, group=dp_group)
+        return total.item() / self.n_targets
 
 
 @dataclasses.dataclass
-class Session:
-    """Everything built for a run on one rank, before the loop (also used by tests and benchmarks)."""
+class Trainable:
+    """What a training step reads and changes on one rank: the sharded model, its optimizer and schedule, the counters."""
 
     cfg: Config
     rank: int
     device: torch.device
     mesh: DeviceMesh
     dp: int
+    """Data-parallel ranks (dp_mesh(mesh).size())."""
     model: Transformer
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_state: TrainState
+
+
+def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.Module], None] | None = None
+               ) -> StepResult:
+    """One optimizer step, as the loop runs it: forward/backward, clip, update, LR schedule, counters.
+
+    micro_batches: this rank's [(inputs, labels)] of the step, each (mb, seq_len) int64 (the
+    loader's next_step()). after_backward(model): called once the gradients are complete and
+    before clipping (tests read them there). The loss is that of the global batch of
+    cfg.train.global_batch_size windows of cfg.data.seq_len targets each (forward_backward).
+    Raises NonFiniteError when the norm is not finite and cfg.train.nonfinite is "raise":
+    neither the weights, the schedule nor the counters moved. With "skip" the update is
+    skipped but the step counts.
+    """
+    cfg = s.cfg
+    n_targets = cfg.train.global_batch_size * cfg.data.seq_len  # packed: every label is a target
+    lr = s.scheduler.get_last_lr()[0]
+    loss_sum = forward_backward(s.model, micro_batches, n_targets, s.dp, s.device, s.mesh, cfg.train.loss_chunk_size)
+    if after_backward is not None:
+        after_backward(s.model)
+    try:
+        norm = optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, s.device, cfg.train.nonfinite == "skip")
+    except NonFiniteError as e:
+        raise NonFiniteError(f"{e} (loss {loss_sum.item() / n_targets * s.dp:.4g} on rank {s.rank})") from None
+    s.scheduler.step()
+    s.train_state.step += 1
+    s.train_state.tokens_seen += n_targets
+    return StepResult(loss_sum, norm, lr, n_targets)
+
+
+# ---------------------------------------------------------------- building a run
+
+
+def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.device, tp_plan: TPPlan | None = None,
+                    model: torch.nn.Module | None = None) -> Trainable:
+    """The sharded model (parallelize.build_model, from cfg.train.seed), optimizer, LR schedule and a fresh TrainState.
+
+    model: an already parallelized and initialised model to use instead (benchmarks time
+    another model source with the same step). Collective when it builds the model.
+    """
+    t = cfg.train
+    if model is None:
+        model = build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=compute_dtype(t, device),
+                            activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload)
+    return Trainable(cfg, rank, device, mesh, dp_mesh(mesh).size(), model, optimizer, scheduler, TrainState())
+
+
+@dataclasses.dataclass
+class Session(Trainable):
+    """Everything built for a run on one rank, before the loop: the Trainable, its data and its checkpoints."""
+
     corpus: PackedCorpus
     loader: GlobalBatchLoader
     micro_batch_size: int
-    train_state: TrainState
     ckpt: Checkpointer
     app: AppState
     meta: dict
@@ -159,14 +215,9 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, micro, data_parallel.get_local_rank(), dp,
                                cfg.train.seed, data_state)
 
-    t = cfg.train
-    model = build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=compute_dtype(t, device),
-                        activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload)
-
-    train_state = TrainState()
+    tr = build_trainable(cfg, rank, mesh, device, tp_plan)
     ckpt = Checkpointer(cfg.checkpoint, cfg.run_dir, rank, cli.to_toml(cfg))
-    app = AppState(model, optimizer, scheduler, train_state, data_state, rank)
+    app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, data_state, rank)
 
     def find_resume():
         ckpt.clean_partial()
@@ -191,9 +242,9 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     if path is not None:
         ckpt.load(path, app)
     elif cfg.init_from_hf:  # every rank reads the folder and keeps its own shards: no communication
-        hf.load_hf_into(model, cfg.init_from_hf, copy_=copy_sharded)
-    return Session(cfg, rank, device, mesh, dp, model, optimizer, scheduler, corpus, loader, micro,
-                   train_state, ckpt, app, meta, path, note)
+        hf.load_hf_into(tr.model, cfg.init_from_hf, copy_=copy_sharded)
+    return Session(**vars(tr), corpus=corpus, loader=loader, micro_batch_size=micro, ckpt=ckpt, app=app, meta=meta,
+                   resumed_from=path, resume_note=note)
 
 
 # ---------------------------------------------------------------- the loop
@@ -229,12 +280,10 @@ def train(s: Session) -> int:
     """
     cfg, rank, device, dp, mesh = s.cfg, s.rank, s.device, s.dp, s.mesh
     data_parallel = dp_mesh(mesh)  # looked up once, not at every logged step
-    model, optimizer, scheduler, loader, train_state, ckpt = (s.model, s.optimizer, s.scheduler, s.loader,
-                                                              s.train_state, s.ckpt)
+    loader, train_state, ckpt = s.loader, s.train_state, s.ckpt
     if rank == 0:
         cli.write_resolved(cfg, os.path.join(cfg.run_dir, "config.toml"))
 
-    n_targets = cfg.train.global_batch_size * cfg.data.seq_len  # packed: every label is a target
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
     dist.all_reduce(peak)  # the run's peak is the sum of its ranks' peaks
@@ -256,19 +305,13 @@ def train(s: Session) -> int:
     t_last, tokens_last = time.perf_counter(), train_state.tokens_seen
     while train_state.step < cfg.train.steps:
         profiler.before_step(train_state.step + 1)
-        lr = scheduler.get_last_lr()[0]
-        loss_sum = forward_backward(model, loader.next_step(), n_targets, dp, device, mesh, cfg.train.loss_chunk_size)
         try:
-            norm = optimizer_step(model, optimizer, cfg.optim.grad_clip, device, cfg.train.nonfinite == "skip")
+            result = train_step(s, loader.next_step())
         except NonFiniteError as e:
             raise TrainingError(
-                f"step {train_state.step + 1}: {e} (loss {loss_sum.item() / n_targets * dp:.4g} on rank {rank}); "
-                f"stopped before the update, so the last checkpoint in {ckpt.root} is untouched; lower optim.lr, "
-                f"raise optim.warmup_steps, or pass --train.nonfinite skip"
+                f"step {train_state.step + 1}: {e}; stopped before the update, so the last checkpoint in {ckpt.root} "
+                f"is untouched; lower optim.lr, raise optim.warmup_steps, or pass --train.nonfinite skip"
             ) from None
-        scheduler.step()
-        train_state.step += 1
-        train_state.tokens_seen += n_targets
         step = train_state.step
         if step == start_step + 1:  # compiled and warmed up: from now on a slow collective means a lost peer
             distributed.set_collective_timeout(cfg.train.collective_timeout_s)
@@ -279,10 +322,10 @@ def train(s: Session) -> int:
             progress.write(f"[profile] steps {cfg.train.profile_steps}: {trace}")
 
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
-            dist.all_reduce(loss_sum, group=data_parallel.get_group())
-            grad_norm = norm.item()
+            grad_norm = result.grad_norm.item()
             tps = (train_state.tokens_seen - tokens_last) / (time.perf_counter() - t_last)
-            record = {"step": step, "loss": loss_sum.item() / n_targets, "lr": lr, "grad_norm": grad_norm,
+            record = {"step": step, "loss": result.global_loss(data_parallel.get_group()), "lr": result.lr,
+                      "grad_norm": grad_norm,
                       "tokens_per_sec": tps, "mfu": tps * fpt / peak_total, "tokens_seen": train_state.tokens_seen,
                       "epoch": loader.epoch, "peak_mem_gib": peak_memory_gib(device), **loader.source_tokens()}
             if not math.isfinite(grad_norm):
@@ -293,8 +336,9 @@ def train(s: Session) -> int:
 
         paused = time.perf_counter()
         if val and cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
-            val_losses = {v.name: validation_loss(model, v.batches, device, mesh, cfg.train.loss_chunk_size)
-                          for v in val}  # each source's windows alone
+            sums = {v.name: loss_sum_and_count(s.model, v, device, mesh, data_parallel.get_group(),
+                                               cfg.train.loss_chunk_size) for v in val}  # each source alone
+            val_losses = {name: total / count for name, (total, count) in sums.items()}
             record = val_record(val_losses, val)
             log.write({"step": step, **record})
             progress.write(f"[val] step {step}: val_loss {record['val_loss']:.4f}")

@@ -99,36 +99,27 @@ def load_model_source(src: str):
 
 
 class OursStep:
-    """trainer's step (forward_backward + optimizer_step + LR schedule) on the FSDP2-sharded model.
+    """The trainer's own step (trainer.train_step) on the FSDP2-sharded model of trainer.build_trainable.
 
     src: a directory whose model.py's Transformer is timed instead of this checkout's; it is
     parallelized, initialised and stepped by this checkout's parallelize and trainer."""
 
     def __init__(self, name, cfg, mesh, device, src: str = ""):
-        self.name, self.cfg, self.device, self.mesh = name, cfg, device, mesh
+        self.name, self.cfg, self.device = name, cfg, device
         t = cfg.train
-        opts = dict(dtype=config_lib.compute_dtype(t, device), activation_checkpointing=t.activation_checkpointing,
-                    compile=t.compile)
+        model = None
         if src:
             mm = load_model_source(src)
             with torch.device("meta"):
-                self.model = mm.Transformer(mm.ModelArgs(**dataclasses.asdict(cfg.model)))
-            parallelize.parallelize(self.model, mesh, cfg.parallel, **opts)
-            parallelize.materialize(self.model, device, t.seed, cfg.parallel.cpu_offload)
-        else:
-            self.model = parallelize.build_model(cfg.model, mesh, device, t.seed, cfg.parallel, **opts)
-        self.optimizer, self.scheduler = optim.build_optimizer(self.model, cfg.optim, t.steps,
-                                                               fused=not cfg.parallel.cpu_offload)
-        self.dp = parallelize.dp_mesh(mesh).size()
-        self.n_targets = t.global_batch_size * cfg.data.seq_len
+                model = mm.Transformer(mm.ModelArgs(**dataclasses.asdict(cfg.model)))
+            parallelize.parallelize(model, mesh, cfg.parallel, dtype=config_lib.compute_dtype(t, device),
+                                    activation_checkpointing=t.activation_checkpointing, compile=t.compile)
+            parallelize.materialize(model, device, t.seed, cfg.parallel.cpu_offload)
+        self.trainable = trainer.build_trainable(cfg, dist.get_rank(), mesh, device, model=model)
+        self.model, self.optimizer = self.trainable.model, self.trainable.optimizer
 
-    def forward_backward(self, micro_batches):
-        trainer.forward_backward(self.model, micro_batches, self.n_targets, self.dp, self.device, self.mesh,
-                                 self.cfg.train.loss_chunk_size)
-
-    def update(self):
-        trainer.optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
-        self.scheduler.step()
+    def step(self, micro_batches, after_backward=None):
+        trainer.train_step(self.trainable, micro_batches, after_backward)
 
 
 class HFStep(OursStep):
@@ -154,11 +145,15 @@ class HFStep(OursStep):
                                                                fused=not cfg.parallel.cpu_offload)
         self.n_targets = cfg.train.global_batch_size * cfg.data.seq_len
 
-    def forward_backward(self, micro_batches):
+    def step(self, micro_batches, after_backward=None):
         for inputs, labels in micro_batches:
             logits = self.model(input_ids=inputs.to(self.device)).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.to(self.device).flatten(), reduction="sum")
             (loss / self.n_targets).backward()
+        if after_backward is not None:
+            after_backward(self.model)
+        trainer.optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
+        self.scheduler.step()
 
 
 def synthetic_batches(cfg, dp: int, n: int, seed: int = 0):
@@ -184,10 +179,9 @@ def memory_step(v, batch, profile_rows: int) -> dict:
     start = local_bytes(params) + local_bytes(opt_state)
     if v.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(v.device)
+    grads = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        v.forward_backward(batch)
-        grads = local_bytes(p.grad for p in params if p.grad is not None)
-        v.update()
+        v.step(batch, after_backward=lambda m: grads.append(local_bytes(p.grad for p in params if p.grad is not None)))
     running = peak = 0
     for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns()):
@@ -198,7 +192,7 @@ def memory_step(v, batch, profile_rows: int) -> dict:
         print(f"--- profile of one step: {v.name}\n"
               + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=profile_rows), flush=True)
     step_peak = torch.cuda.max_memory_allocated(v.device) if v.device.type == "cuda" else start + peak
-    return {"params_mib": local_bytes(params) / MIB, "grads_mib": grads / MIB,
+    return {"params_mib": local_bytes(params) / MIB, "grads_mib": grads[0] / MIB,
             "optim_mib": local_bytes(opt_state) / MIB, "step_peak_mib": step_peak / MIB}
 
 
@@ -268,8 +262,7 @@ def run_worker(args, rest) -> dict:
     for v in variants:
         for i in range(args.warmup):
             t0 = time.perf_counter()
-            v.forward_backward(batches[i])
-            v.update()
+            v.step(batches[i])
             sync()
             first_step_s.setdefault(v.name, time.perf_counter() - t0)
     times = {v.name: [] for v in variants}
@@ -280,8 +273,7 @@ def run_worker(args, rest) -> dict:
         for v in variants[r % len(variants):] + variants[:r % len(variants)]:  # rotate: no variant always first
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            v.forward_backward(batches[i])
-            v.update()
+            v.step(batches[i])
             sync()
             times[v.name].append(time.perf_counter() - t0)
             cpu[v.name].append(time.process_time() - c0)

@@ -24,10 +24,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import distributed  # noqa: E402
-import optim  # noqa: E402
 import parallelize  # noqa: E402
 import trainer  # noqa: E402
-from checkpoint import AppState, TrainState  # noqa: E402
+from checkpoint import AppState  # noqa: E402
 from data import inputs_labels  # noqa: E402
 from loader import DataState  # noqa: E402
 from model import num_params  # noqa: E402
@@ -51,16 +50,11 @@ def main() -> None:
     cfg = config.parse_config(argv, description=__doc__)
     rank, world, device = distributed.init_distributed(cfg.train.device)
     mesh = parallelize.build_mesh(device, world)
-    t = cfg.train
-    model = parallelize.build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=config.compute_dtype(t, device),
-                                    activation_checkpointing=t.activation_checkpointing, compile=t.compile)
-    optimizer, scheduler = optim.build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload)
-    # One synthetic step so the optimizer state exists and is written.
+    tr = trainer.build_trainable(cfg, rank, mesh, device)
+    # One synthetic step of the trainer's own so the optimizer state exists and is written.
     tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.data.seq_len + 1), device=device)
-    n = tokens.numel() - 1
-    trainer.forward_backward(model, [inputs_labels(tokens)], n * world, world, device, mesh)
-    trainer.optimizer_step(model, optimizer, 1.0, device)
-    app = AppState(model, optimizer, scheduler, TrainState(step=1), DataState(), rank)
+    trainer.train_step(tr, [inputs_labels(tokens)])
+    app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, DataState(), rank)
     root = os.path.join(cfg.run_dir, "bench_ckpt")
     gloo = dist.new_group(backend="gloo")
     # As checkpoint.Checkpointer does: one stager whose CPU copy is reused by every save.

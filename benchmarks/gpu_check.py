@@ -33,10 +33,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import distributed  # noqa: E402
-import optim  # noqa: E402
 import parallelize  # noqa: E402
 import trainer  # noqa: E402
 from cli import ArgumentParser, number  # noqa: E402
+from config import parse_config  # noqa: E402
 from loss import token_loss_sum  # noqa: E402
 from model import PRESETS, ModelArgs, block_causal_mask, block_mask, flops_per_token  # noqa: E402
 
@@ -140,17 +140,17 @@ def check_chunked(device) -> tuple[bool, str]:
 
 
 def _speed_run(args, mesh, device, micro: int, chunk: int) -> dict:
-    m = ModelArgs(**PRESETS["llama3_1b"])
-    model = parallelize.build_model(m, mesh, device, 0, parallelize.ParallelConfig(), dtype="bfloat16", compile=True)
-    optimizer, scheduler = optim.build_optimizer(model, optim.OptimConfig(warmup_steps=10), 1000)
+    cfg = parse_config(["--model.preset", "llama3_1b", "--train.dtype", "bfloat16", "--train.compile", "true",
+                        "--data.seq_len", str(SPEED_SEQ_LEN), "--train.global_batch_size", str(micro),
+                        "--train.loss_chunk_size", str(chunk), "--optim.warmup_steps", "10", "--train.steps", "1000"])
+    m = cfg.model
+    tr = trainer.build_trainable(cfg, 0, mesh, device)
     gen = torch.Generator(device=device).manual_seed(0)
     n = micro * SPEED_SEQ_LEN
 
-    def step():
+    def step():  # the trainer's own step
         tokens = torch.randint(0, m.vocab_size, (micro, SPEED_SEQ_LEN + 1), device=device, generator=gen)
-        trainer.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], n, 1, device, mesh, chunk)
-        trainer.optimizer_step(model, optimizer, 1.0, device)
-        scheduler.step()
+        trainer.train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
 
     for _ in range(3):  # compilation and allocator warm-up
         step()

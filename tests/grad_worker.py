@@ -4,9 +4,9 @@
         --run_dir DIR --train.steps S [--section.field VALUE ...]
 
 Builds the run as the trainers do (trainer.build; with --tp T > 1 on the ("dp", "tp") mesh
-with train_2d's plan and loss_parallel), then per step: forward_backward, every gradient
-gathered as a full tensor (before clipping), optimizer_step, LR schedule. Rank 0 saves with
-torch.save a dict:
+with train_2d's plan and loss_parallel), then runs the loop's own step, trainer.train_step,
+whose after_backward hook gathers every gradient as a full tensor before clipping. Rank 0
+saves with torch.save a dict:
 
     losses       [float]                 mean token loss of each step's global batch
     grad_norms   [float]                 pre-clip global gradient norm of each step
@@ -60,24 +60,22 @@ def main() -> None:
     trainer.check_run(cfg, distributed.world_size(), plan, train_2d.check_tp_layout)
     rank, world, device = distributed.init_distributed(cfg.train.device)
     s = trainer.build(cfg, rank, world, device, plan, resume=False)
-    n_targets = cfg.train.global_batch_size * cfg.data.seq_len
     result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {},
               "init": {name: p.full_tensor().detach().cpu().clone() for name, p in s.model.named_parameters()}}
     if args.logits_of:
         with torch.no_grad():
             logits = s.model(torch.load(args.logits_of).to(device))
         result["logits"] = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).cpu()
-    for _ in range(cfg.train.steps):
-        loss_sum = trainer.forward_backward(s.model, s.loader.next_step(), n_targets, s.dp, device, s.mesh,
-                                            cfg.train.loss_chunk_size)
-        dist.all_reduce(loss_sum, group=dp_mesh(s.mesh).get_group())
-        result["losses"].append(loss_sum.item() / n_targets)
+
+    def keep_grads(model):
         # clone: on one rank full_tensor() may share storage with the gradient, which clipping scales in place
         result["grads"].append({name: p.grad.full_tensor().detach().float().cpu().clone()
-                                for name, p in s.model.named_parameters()})
-        norm = trainer.optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, device)
-        result["grad_norms"].append(norm.item())
-        s.scheduler.step()
+                                for name, p in model.named_parameters()})
+
+    for _ in range(cfg.train.steps):
+        step = trainer.train_step(s, s.loader.next_step(), after_backward=keep_grads)  # the loop's own step
+        result["losses"].append(step.global_loss(dp_mesh(s.mesh).get_group()))
+        result["grad_norms"].append(step.grad_norm.item())
     if args.tp > 1:
         result["replicated"] = replica_spread(s.model, s.mesh["tp"])
     if rank == 0:

@@ -44,11 +44,7 @@ def _session(run_dir, *overrides):
 
 def _steps(s, n):
     for _ in range(n):
-        trainer.forward_backward(s.model, s.loader.next_step(), 16 * 128, 1, s.device, s.mesh)
-        trainer.optimizer_step(s.model, s.optimizer, 1.0, s.device)
-        s.scheduler.step()
-        s.train_state.step += 1
-        s.train_state.tokens_seen += 16 * 128
+        trainer.train_step(s, s.loader.next_step())
 
 
 def _full(t):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import data
-import loader
 import prepare
 import sources
 import tokenizer
+import validation
 from data import DataConfig, DataError, PackedCorpus
 from loader import DataState, GlobalBatchLoader
 
@@ -139,8 +139,8 @@ def test_validation_windows_are_held_out_from_training(corpus_dir):
     train_starts = {i * cfg.seq_len for i in range(corpus.n_train)}
     val_starts = {(corpus.n_train + i) * cfg.seq_len for i in range(corpus.n_val)}
     assert not train_starts & val_starts
-    (first,), (second,) = [loader.val_batches(corpus, 100, 1, r, 2) for r in range(2)]
-    assert len(first.batches) == len(second.batches)  # equal forward passes on every rank
+    (first,), (second,) = [validation.val_batches(corpus, 100, 1, r, 2) for r in range(2)]
+    assert first.n_forward == second.n_forward  # equal forward passes on every rank
 
 
 def test_indivisible_batch_and_too_small_corpus_are_rejected(corpus_dir):

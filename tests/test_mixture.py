@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 import data
 import distributed
-import loader
 import mixture
 import prepare
 import sources
 import tokenizer
 import trainer
+import validation
 from checkpoint import AppState
 from cli import to_toml
 from config import parse_config
@@ -314,10 +314,10 @@ def test_bad_mixtures_are_one_line_errors_naming_the_field(tmp_path, capsys, tab
 
 
 def test_val_loss_of_a_mixture_weighs_each_source_by_its_windows():
-    sets = [loader.ValSet("a", [], 30), loader.ValSet("b", [], 10)]
-    record = loader.val_record({"a": 2.0, "b": 4.0}, sets)
+    sets = [validation.ValSet("a", [], 30), validation.ValSet("b", [], 10)]
+    record = validation.val_record({"a": 2.0, "b": 4.0}, sets)
     assert record["val_loss"] == pytest.approx((2.0 * 30 + 4.0 * 10) / 40) and record["val_loss/b"] == 4.0
-    assert loader.val_record({"a": 2.5}, sets[:1]) == {"val_loss": 2.5, "val_ppl": pytest.approx(np.exp(2.5))}
+    assert validation.val_record({"a": 2.5}, sets[:1]) == {"val_loss": 2.5, "val_ppl": pytest.approx(np.exp(2.5))}
 
 
 def test_sources_are_tables_of_the_config_file_not_flags():
@@ -441,10 +441,7 @@ def test_a_run_directory_from_before_mixtures_trains_and_resumes(tmp_path, singl
         return trainer.build(cfg, 0, 1, torch.device("cpu"))
 
     def step(s):
-        trainer.forward_backward(s.model, s.loader.next_step(), 16 * 128, 1, s.device, s.mesh)
-        trainer.optimizer_step(s.model, s.optimizer, 1.0, s.device)
-        s.scheduler.step()
-        s.train_state.step += 1
+        trainer.train_step(s, s.loader.next_step())
 
     a = session()
     assert a.corpus.sources[0].tokens.dtype == np.uint32

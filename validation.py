@@ -1,0 +1,107 @@
+"""Validation: which windows each rank evaluates, and the forward-only loss over them.
+
+One rule serves the trainer's ``val_loss`` and ``evaluate.py``: the windows to evaluate are
+split into contiguous rank shares (``rank_share``); every rank runs as many forward passes as
+the largest share needs, since FSDP gathers parameters collectively in each, and a rank with
+fewer repeats its last batch and discards the loss. Every window is counted exactly once, so
+the figure is the same at every world size and layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from data import PackedCorpus
+from loss import applied_chunk_size, loss_context, scalar, token_loss_sum
+
+
+def rank_share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """[lo, hi): rank's contiguous share of n items over world ranks (shares differ by at most one)."""
+    return n * rank // world, n * (rank + 1) // world
+
+
+@dataclasses.dataclass
+class ValSet:
+    """One source's (or one split's) windows to evaluate, as this rank runs them."""
+
+    name: str
+    batches: list
+    """This rank's [(inputs, labels)], each (<= micro_batch_size, seq_len) int64."""
+    n_windows: int
+    """Windows over all ranks."""
+    n_forward: int = 0
+    """Forward passes every rank runs: the largest rank share's batch count."""
+
+
+def val_set(corpus: PackedCorpus, name: str, windows: list, micro_batch_size: int, dp_rank: int,
+            dp_size: int) -> ValSet:
+    """This rank's share of windows [(source number, window index)] (see rank_share) as a ValSet."""
+    lo, hi = rank_share(len(windows), dp_rank, dp_size)
+    largest = -(-len(windows) // dp_size)
+    return ValSet(name, corpus.batches(windows[lo:hi], micro_batch_size), len(windows),
+                  -(-largest // micro_batch_size))
+
+
+def val_batches(corpus: PackedCorpus, max_sequences: int, micro_batch_size: int, dp_rank: int,
+                dp_size: int) -> list[ValSet]:
+    """Training's validation sets: per source, the first max_sequences windows of its held-out tail.
+
+    A source with fewer held-out windows than dp_size is left out (some rank would only
+    repeat another's batch).
+    """
+    out = []
+    for s, src in enumerate(corpus.sources):
+        n = min(src.n_val, max_sequences)
+        if n >= dp_size:
+            windows = [(s, i) for i in range(src.n_train, src.n_train + n)]
+            out.append(val_set(corpus, src.name, windows, micro_batch_size, dp_rank, dp_size))
+    return out
+
+
+def val_record(losses: dict[str, float], sets: list[ValSet]) -> dict:
+    """A validation record from each source's mean token loss: val_loss over the mixture, val_loss/<name> per source.
+
+    val_loss is the mean token loss over every evaluated window of every source (each
+    source weighs by its windows, not by its mixture weight, so the figure does not jump at a
+    stage). With one source it is that source's loss, and no per-source key is written.
+    """
+    if len(sets) == 1:
+        val = losses[sets[0].name]
+        return {"val_loss": val, "val_ppl": math.exp(min(val, 50))}
+    val = sum(losses[v.name] * v.n_windows for v in sets) / sum(v.n_windows for v in sets)
+    return {"val_loss": val, "val_ppl": math.exp(min(val, 50)), **{f"val_loss/{k}": x for k, x in losses.items()}}
+
+
+@torch.no_grad()
+def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device, mesh: DeviceMesh,
+                       dp_group, loss_chunk_size: int = 0) -> tuple[float, int]:
+    """(sum of token losses in nats, number of targets) over every rank's share of vs (collective over dp_group).
+
+    Training's loss (loss.token_loss_sum: fp32 cross-entropy, chunked as applied on mesh),
+    forward only: under no_grad the chunked loss computes no gradient. Every rank runs
+    vs.n_forward passes. Afterwards each FSDP module is resharded, so that with
+    parallel.reshard_after_forward false the parameters a forward left gathered are freed
+    now, not at the next backward. The model is left in train mode.
+    """
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    spare = (torch.zeros(1, 1, dtype=torch.long),) * 2  # for a rank with no window at all
+    chunk = applied_chunk_size(mesh, loss_chunk_size)
+    with loss_context(mesh)():
+        for i in range(vs.n_forward):
+            inputs, labels = vs.batches[min(i, len(vs.batches) - 1)] if vs.batches else spare
+            loss = token_loss_sum(model, inputs.to(device), labels.to(device), chunk)
+            if i < len(vs.batches):
+                total[0] += scalar(loss).double()
+                total[1] += labels.numel()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    model.train()
+    dist.all_reduce(total, group=dp_group)
+    return total[0].item(), int(total[1].item())
