@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from errors import ConfigError, UserError, one_line
+from rundir import CONFIG_FILE, RunDir
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -173,7 +174,7 @@ def saved_config(path: str) -> dict:
 
     Raises CheckpointError naming the file if it cannot be read.
     """
-    saved_file = os.path.join(path, "config.toml")
+    saved_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(saved_file):
         return {}
     try:
@@ -201,14 +202,14 @@ def check_same_config(path: str, section: str, current: dict) -> None:
 
 
 def lock_run_dir(run_dir: str):
-    """Hold an exclusive lock on run_dir/.lock for as long as the returned file stays open.
+    """Hold an exclusive lock on the run directory (RunDir.lock) for as long as the returned file stays open.
 
     Two runs writing one run directory would overwrite each other's checkpoints and data;
     the second now stops at once. The OS drops the lock when the process ends, even on
     SIGKILL, so no stale lock survives a crash. File systems without locks are not guarded.
     Raises CheckpointError naming the holder.
     """
-    f = open(os.path.join(run_dir, ".lock"), "a+")
+    f = open(RunDir(run_dir).lock, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -228,9 +229,10 @@ def lock_run_dir(run_dir: str):
 
 def newest_checkpoint(run_dir: str) -> str:
     """The newest complete checkpoint of a run directory; CheckpointError if it has none."""
-    found = complete_checkpoints(os.path.join(run_dir, "checkpoints"))
+    root = RunDir(run_dir).checkpoints
+    found = complete_checkpoints(root)
     if not found:
-        raise CheckpointError(f"no complete checkpoint in '{os.path.join(run_dir, 'checkpoints')}'")
+        raise CheckpointError(f"no complete checkpoint in '{root}'")
     return found[-1][1]
 
 
@@ -261,10 +263,10 @@ class Checkpointer:
     and rank 0 commits it (rename, then keep-k pruning) once DCP reports it finished.
     """
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: str, rank: int, config_text: str | None = None):
+    def __init__(self, cfg: CheckpointConfig, root: str, rank: int, config_text: str | None = None):
         self.cfg = cfg
         self.config_text = config_text  # the run's resolved config, written into every checkpoint
-        self.root = os.path.join(run_dir, "checkpoints")
+        self.root = root  # the run's checkpoints directory (RunDir.checkpoints)
         self.rank = rank
         self._pending: tuple[Future, str, str] | None = None
         self._last_step = -1  # the same on every rank, unlike a directory listing during a commit
@@ -366,7 +368,7 @@ class Checkpointer:
         if self.rank != 0:
             return
         if self.config_text is not None:
-            with open(os.path.join(tmp, "config.toml"), "w") as f:
+            with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
                 f.write(self.config_text)
         if os.path.exists(final):
             if os.path.isfile(os.path.join(final, ".metadata")):

@@ -28,6 +28,7 @@ from model import PRESETS, ModelArgs
 from optim import OptimConfig
 from parallelize import ParallelConfig, check_layout
 from profiling import parse_steps
+from rundir import RunDir
 from sources import check_source
 from tokenizer import EOT, load_tokenizer
 
@@ -212,7 +213,8 @@ def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:
     Raises CheckpointError when the run has no config.toml, tokenizer or complete checkpoint,
     ConfigError when its config.toml does not parse.
     """
-    cfg_path = os.path.join(run_dir, "config.toml")
+    run = RunDir(run_dir)
+    cfg_path = run.config
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"run directory '{run_dir}' has no config.toml; give the --run_dir of a training run")
     cfg = parse_config(["--config", cfg_path])
@@ -220,7 +222,7 @@ def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:
         read_metadata(checkpoint)
     else:
         checkpoint = newest_checkpoint(run_dir)
-    tokenizer = os.path.join(run_dir, "data", "tokenizer.json")
+    tokenizer = run.tokenizer
     if not os.path.isfile(tokenizer):
         raise CheckpointError(f"run directory '{run_dir}' has no data/tokenizer.json")
     return cfg, checkpoint, tokenizer

@@ -42,6 +42,7 @@ from data import DataError, PackedCorpus
 from errors import SetupError, UserError, report
 from parallelize import build_mesh, build_model, dp_mesh
 from prepare import prepare
+from rundir import RunDir
 from validation import loss_sum_and_count, val_set
 
 # DataConfig fields that only cut, order or weigh the token streams; any other one changes the tokens.
@@ -83,13 +84,13 @@ def prepared_data(cfg, run_cfg, run_dir: str, tokenizer: str) -> str:
     Raises DataError when the run's corpus is missing or the other source cannot be read.
     """
     if _source(cfg.data) == _source(run_cfg.data):
-        own = os.path.join(run_dir, "data")
+        own = RunDir(run_dir).data
         if not os.path.isfile(os.path.join(own, "meta.json")):
             raise DataError(f"'{own}' holds no prepared corpus (meta.json); pass --data.dataset")
         return own
     data_cfg = dataclasses.replace(cfg.data, tokenizer=tokenizer)
     digest = hashlib.sha1(json.dumps(_source(data_cfg), sort_keys=True).encode()).hexdigest()[:12]
-    out = os.path.join(run_dir, "eval_data", digest)
+    out = RunDir(run_dir).eval_data(digest)
     prepare(data_cfg, out)
     return out
 
@@ -104,7 +105,7 @@ def check_inputs(max_sequences: int, micro_batch_size: int) -> None:
 
 def eval_config(run_cfg, run_dir: str, overrides: list[str]):
     """The run's config with overrides; one naming data.dataset replaces the run's mixture by that one source."""
-    base = os.path.join(run_dir, "config.toml")
+    base = RunDir(run_dir).config
     if run_cfg.data.sources and any(o.split("=")[0] == "--data.dataset" for o in overrides):
         one = dataclasses.replace(run_cfg, data=dataclasses.replace(run_cfg.data, sources=[], stages=[]))
         with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:

@@ -10,6 +10,7 @@ import time
 import torch
 
 from errors import ConfigError
+from rundir import RunDir
 
 
 @dataclasses.dataclass
@@ -70,7 +71,7 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0, tensorboard: bool = False):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = RunDir(run_dir).metrics
         self.enabled = enabled
         self.tb = None
         if not enabled:
@@ -82,7 +83,7 @@ class MetricsLog:
             except ImportError as e:
                 raise ConfigError("metrics.tensorboard needs the tensorboard package: pip install tensorboard "
                                   "(or the project's [tensorboard] extra), or set it to false") from e
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=resume_step + 1)
+            self.tb = SummaryWriter(RunDir(run_dir).tensorboard, purge_step=resume_step + 1)
 
     def _drop_after(self, step: int) -> None:
         if not os.path.exists(self.path):

@@ -15,6 +15,7 @@ import sys
 
 from cli import ArgumentParser, number
 from errors import UserError
+from rundir import RunDir
 
 TRAIN_KEYS = ("loss", "lr", "tokens_per_sec", "mfu", "tokens_seen")
 MATPLOTLIB_MISSING = "plot.py needs matplotlib: pip install matplotlib (or the project's [plot] extra)"
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.run_dirs:
         p.error("no run directories given: pass one or more RUN_DIRs holding metrics.jsonl")
     try:
-        runs = [(label, *read_metrics(os.path.join(d, "metrics.jsonl")))
+        runs = [(label, *read_metrics(RunDir(d).metrics))
                 for label, d in zip(run_labels(a.run_dirs), a.run_dirs)]
         try:
             import matplotlib  # noqa: F401

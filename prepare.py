@@ -34,6 +34,7 @@ from config import check_run_dir, parse_config
 from data import DEFAULT_SOURCE, TOKENIZER_FIELDS, DataConfig, DataError, SourceConfig, read_meta, token_dtype
 from errors import ConfigError, UserError, report
 from progress import duration
+from rundir import RunDir
 from sources import check_source, iter_documents, source_units
 from tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
 
@@ -391,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}: {tok.get_vocab_size()} tokens")
             return 0
         check_run_dir(cfg.run_dir)
-        out_dir = os.path.join(cfg.run_dir, "data")
+        out_dir = RunDir(cfg.run_dir).data
         if distributed.world_size() == 1:
             meta = prepare(cfg.data, out_dir)
         else:  # no collective but the gathers of prepare(), whose tokenization may take hours

@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from errors import ConfigError
+from rundir import RunDir
 
 
 def parse_steps(text: str) -> tuple[int, int] | None:
@@ -35,7 +36,7 @@ class StepProfiler:
 
     def __init__(self, span: tuple[int, int] | None, run_dir: str, device: torch.device, enabled: bool):
         self.span = span if enabled else None
-        self.dir = os.path.join(run_dir, "profile")
+        self.dir = RunDir(run_dir).profile
         self.cuda = device.type == "cuda"
         self._prof = None
 

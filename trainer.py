@@ -43,6 +43,7 @@ from parallelize import TPPlan, build_mesh, build_model, copy_sharded, dp_mesh, 
 from prepare import prepare_on_all_ranks
 from profiling import StepProfiler, parse_steps
 from progress import Progress
+from rundir import RunDir
 from validation import loss_sum_and_count, val_batches, val_record
 
 # ---------------------------------------------------------------- the step
@@ -203,7 +204,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     torch.manual_seed(cfg.train.seed)
 
     # Data: all ranks tokenize their share of the corpus into the run directory, then map it.
-    data_dir = os.path.join(cfg.run_dir, "data")
+    data_dir = RunDir(cfg.run_dir).data
     try:
         meta = prepare_on_all_ranks(cfg.data, data_dir)
     except UserError as e:
@@ -216,7 +217,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
                                cfg.train.seed, data_state)
 
     tr = build_trainable(cfg, rank, mesh, device, tp_plan)
-    ckpt = Checkpointer(cfg.checkpoint, cfg.run_dir, rank, cli.to_toml(cfg))
+    ckpt = Checkpointer(cfg.checkpoint, RunDir(cfg.run_dir).checkpoints, rank, cli.to_toml(cfg))
     app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, data_state, rank)
 
     def find_resume():
@@ -282,7 +283,7 @@ def train(s: Session) -> int:
     data_parallel = dp_mesh(mesh)  # looked up once, not at every logged step
     loader, train_state, ckpt = s.loader, s.train_state, s.ckpt
     if rank == 0:
-        cli.write_resolved(cfg, os.path.join(cfg.run_dir, "config.toml"))
+        cli.write_resolved(cfg, RunDir(cfg.run_dir).config)
 
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
@@ -399,7 +400,7 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
 
 def peer_message(cfg: Config, where: str, rank: int, why: str) -> str:
     """The one line a rank prints when a peer rank hung or died: where, what, what is safe, what to do."""
-    found = complete_checkpoints(os.path.join(cfg.run_dir, "checkpoints"))
+    found = complete_checkpoints(RunDir(cfg.run_dir).checkpoints)
     timeout = f" for train.collective_timeout_s ({cfg.train.collective_timeout_s:g} s)" if "answering" in why else ""
     return (f"{where}: rank {rank}: a peer rank {why}{timeout}; the newest complete checkpoint is "
             f"{found[-1][1] if found else 'none yet'}; see the other ranks' output for the cause, then run the same "

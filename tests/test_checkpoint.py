@@ -264,10 +264,10 @@ def test_load_from_starts_a_new_run_once_then_the_run_resumes_from_its_own(tmp_p
 def test_a_checkpoints_path_that_is_not_a_directory_stops_before_training(tmp_path):
     (tmp_path / "checkpoints").write_text("x")
     with pytest.raises(ckpt_lib.CheckpointError, match="is not a directory; move it away"):
-        ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(), str(tmp_path), 0).clean_partial()
+        ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(), str(tmp_path / "checkpoints"), 0).clean_partial()
     (tmp_path / "checkpoints").unlink()
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step_00000006.tmp").write_text("x")
     with pytest.raises(ckpt_lib.CheckpointError, match="step_00000006.tmp' is not a checkpoint directory"):
-        ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(), str(tmp_path), 0).clean_partial()
+        ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(), str(tmp_path / "checkpoints"), 0).clean_partial()
     assert (tmp_path / "checkpoints" / "step_00000006.tmp").read_text() == "x"

@@ -1,0 +1,67 @@
+"""The run directory: every path a run writes or reads under ``--run_dir``, named once.
+
+    DIR/config.toml       the resolved config of the run (written at every start)
+    DIR/data/             the prepared corpus: tokenizer.json, meta.json, per-source token files
+    DIR/checkpoints/      DCP checkpoints, step_<N>/ (see checkpoint.py)
+    DIR/metrics.jsonl     one JSON record per logged step and per validation
+    DIR/tensorboard/      the same scalars as TensorBoard events (metrics.tensorboard)
+    DIR/profile/          torch.profiler traces (train.profile_steps)
+    DIR/eval_data/<hash>/ another source tokenized by evaluate.py with the run's tokenizer
+    DIR/.lock             held by the running job (checkpoint.lock_run_dir)
+
+Modules take their paths from here, never from string literals of their own, so a path
+can move (checkpoints to object storage, say) in one place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+CONFIG_FILE = "config.toml"
+"""The resolved config's file name, in the run directory and in every checkpoint directory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory (root: the --run_dir as given)."""
+
+    root: str
+
+    def _path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    @property
+    def config(self) -> str:
+        return self._path(CONFIG_FILE)
+
+    @property
+    def data(self) -> str:
+        return self._path("data")
+
+    @property
+    def tokenizer(self) -> str:
+        return self._path("data", "tokenizer.json")
+
+    @property
+    def checkpoints(self) -> str:
+        return self._path("checkpoints")
+
+    @property
+    def metrics(self) -> str:
+        return self._path("metrics.jsonl")
+
+    @property
+    def tensorboard(self) -> str:
+        return self._path("tensorboard")
+
+    @property
+    def profile(self) -> str:
+        return self._path("profile")
+
+    @property
+    def lock(self) -> str:
+        return self._path(".lock")
+
+    def eval_data(self, digest: str) -> str:
+        """Where evaluate.py tokenizes another source (digest: a hash of its reading settings)."""
+        return self._path("eval_data", digest)

@@ -1,0 +1,28 @@
+"""The run directory's paths are named in rundir.py alone, and they are the layout DESIGN.md's checks read."""
+import ast
+import os
+
+from rundir import RunDir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The run directory's own entries. The files inside a prepared data directory (tokenizer.json,
+# meta.json, token files) are that directory's layout, which prepare.py owns.
+NAMES = {"checkpoints", "metrics.jsonl", "config.toml", "tensorboard", "profile", ".lock", "eval_data"}
+
+
+def test_the_layout_is_the_documented_one(tmp_path):
+    run = RunDir(str(tmp_path))
+    assert run.checkpoints == str(tmp_path / "checkpoints") and run.metrics == str(tmp_path / "metrics.jsonl")
+    assert run.config == str(tmp_path / "config.toml") and run.tokenizer == str(tmp_path / "data" / "tokenizer.json")
+    assert run.data == str(tmp_path / "data") and run.eval_data("ab") == str(tmp_path / "eval_data" / "ab")
+
+
+def test_no_module_spells_a_run_directory_path_of_its_own():
+    found = []
+    for f in sorted(os.listdir(ROOT)):
+        if not f.endswith(".py") or f == "rundir.py":
+            continue
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, f)).read())):
+            if isinstance(node, ast.Constant) and node.value in NAMES:
+                found.append(f"{f}:{node.lineno} {node.value!r}")
+    assert not found, f"use rundir.RunDir instead: {found}"
