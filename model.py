@@ -96,7 +96,7 @@ PRESETS: dict[str, dict] = {
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
-    """cos and sin tables for rotary embeddings, always in fp32.
+    """cos and sin tables for rotary embeddings, computed in fp64 and returned in fp32.
 
     Returns two tensors of shape (max_seq_len, head_dim), dtype float32, laid out for the
     rotate-half convention: frequency i sits at columns i and i + head_dim/2.
@@ -111,8 +111,11 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x (batch, seq, heads, head_dim) by position; computed in fp32, returned in x.dtype.
 
-    cos, sin: fp32 tables (positions, head_dim) whose first seq rows are positions 0..seq-1,
-    or per-token values (batch, seq, head_dim) (positions that restart at each document).
+    cos, sin: tables (positions, head_dim) whose first seq rows are positions 0..seq-1, or
+    per-token values (batch, seq, head_dim) (positions that restart at each document). They
+    are fp32 unsharded, but under bf16 mixed precision FSDP2 casts a block's floating-point
+    inputs, cos and sin included, to bf16: the rotation then runs in fp32 on bf16-rounded
+    tables (as Hugging Face's Llama, whose rotary tables take x's dtype).
     """
     seq_len = x.shape[1]
     if cos.dim() == 2:
@@ -275,7 +278,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Not persistent: recomputed by init_weights, never checkpointed.
+        # Not persistent: recomputed by init_weights, never checkpointed. fp32 here; a block
+        # sharded with bf16 mixed precision receives them cast to bf16 (see apply_rope).
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
