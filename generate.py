@@ -4,9 +4,9 @@
         --temperature 0.8 --top_k 50 --top_p 0.95 --seed 0 --num_samples 2
     python generate.py --hf HF_DIR --prompt "..."            # a folder written by `hf.py export`
 
-The cached forward below reuses model.py's modules and weights (RMSNorm, wq/wk/wv/wo,
-apply_rope, FeedForward) and leaves the training forward untouched: it only adds the key and
-value cache and the position offset that decoding one token at a time needs.
+Decoding runs the model's own forward (model.py's Transformer, the code training runs) with
+a KV cache per layer and the position of the new tokens; the cached path is causal attention
+over one document.
 Prompts are prefixed with [EOT], the token that precedes every document in training.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ import math
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import hf
@@ -24,61 +23,13 @@ from checkpoint import read_model_weights
 from cli import ArgumentParser, number
 from config import load_run
 from errors import UserError, report
-from model import Attention, Transformer, apply_rope
+from model import Transformer
 from tokenizer import EOT, encode_plain, load_tokenizer
 
 
-class KVCache:
-    """Keys and values of every layer for one batch: (n_layers, batch, max_len, n_kv_heads, head_dim) each."""
-
-    def __init__(self, model: Transformer, batch: int, max_len: int, dtype: torch.dtype, device):
-        a = model.args
-        shape = (a.n_layers, batch, max_len, a.n_kv_heads, a.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _attention(attn: Attention, x: Tensor, cos: Tensor, sin: Tensor, cache_k: Tensor, cache_v: Tensor,
-               start: int) -> Tensor:
-    """Attention.forward for positions [start, start + seq) given the cached keys/values before start."""
-    bsz, seq_len, _ = x.shape
-    q = attn.wq(x).view(bsz, seq_len, -1, attn.head_dim)
-    k = attn.wk(x).view(bsz, seq_len, -1, attn.head_dim)
-    v = attn.wv(x).view(bsz, seq_len, -1, attn.head_dim)
-    # apply_rope takes positions 0.. of the tables it gets: hand it the tables from start on.
-    q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
-    end = start + seq_len
-    cache_k[:, start:end] = k
-    cache_v[:, start:end] = v
-    n_rep = q.shape[2] // k.shape[2]
-    q, keys, values = q.transpose(1, 2), cache_k[:, :end].transpose(1, 2), cache_v[:, :end].transpose(1, 2)
-    if n_rep > 1:
-        keys = keys.repeat_interleave(n_rep, dim=1)
-        values = values.repeat_interleave(n_rep, dim=1)
-    # Query i sits at position start + i and sees keys 0..start + i; one new token sees all.
-    mask = None
-    if seq_len > 1:
-        mask = torch.ones(seq_len, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    return attn.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
-
-
-@torch.no_grad()
-def forward_cached(model: Transformer, tokens: Tensor, cache: KVCache, start: int) -> Tensor:
-    """Logits of the last position, given tokens (batch, seq) int64 at positions [start, start + seq).
-
-    Fills cache for those positions. Returns fp32 logits (batch, vocab_size).
-    Raises ValueError past the model's RoPE table (max_seq_len) or the cache length.
-    """
-    end = start + tokens.shape[1]
-    if end > min(model.args.max_seq_len, cache.k.shape[2]):
-        raise ValueError(f"position {end} exceeds model.max_seq_len {model.args.max_seq_len} or the cache length")
-    h = model.tok_embeddings(tokens)
-    for i, layer in enumerate(model.layers):
-        h = h + _attention(layer.attention, layer.attention_norm(h), model.rope_cos, model.rope_sin,
-                           cache.k[i], cache.v[i], start)
-        h = h + layer.feed_forward(layer.ffn_norm(h))
-    return model.output(model.norm(h[:, -1])).float()
+def _last_logits(output: torch.nn.Module, h: Tensor) -> Tensor:
+    """Transformer.forward's head for decoding: fp32 logits (batch, vocab) of the last position only."""
+    return output(h[:, -1]).float()
 
 
 def warp_logits(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -140,17 +91,17 @@ def generate(model: Transformer, prompt_ids, max_new_tokens: int, temperature: f
     gen = None
     if seed is not None:
         gen = torch.Generator(device=device).manual_seed(seed)
-    cache = KVCache(model, 1, prompt.shape[1] + max_new_tokens, model.tok_embeddings.weight.dtype, device)
+    cache = model.kv_cache(1, prompt.shape[1] + max_new_tokens)
     stop = set(stop_ids)
     out: list[int] = []
-    logits = forward_cached(model, prompt, cache, 0)
+    logits = model(prompt, _last_logits, cache)
     pos = prompt.shape[1]
     for _ in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, gen)
         out.append(int(nxt))
         if out[-1] in stop or len(out) == max_new_tokens:
             break
-        logits = forward_cached(model, nxt.view(1, 1), cache, pos)
+        logits = model(nxt.view(1, 1), _last_logits, cache, pos)
         pos += 1
     return out
 

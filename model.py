@@ -13,6 +13,7 @@ weights need no permutation.
 
 Parallelism is applied from outside: attention infers its local head count from the width
 of the projections, so the same code runs whole or with column-sharded ``wq``/``wk``/``wv``.
+Decoding (generate.py) runs this same forward with a ``KVCache`` per layer, unsharded.
 """
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ PRESETS: dict[str, dict] = {
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
-    """cos and sin tables for rotary embeddings, always in fp32.
+    """cos and sin tables for rotary embeddings, computed in fp64 and returned in fp32.
 
     Returns two tensors of shape (max_seq_len, head_dim), dtype float32, laid out for the
     rotate-half convention: frequency i sits at columns i and i + head_dim/2.
@@ -110,8 +111,11 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate x (batch, seq, heads, head_dim) by position; computed in fp32, returned in x.dtype.
 
-    cos, sin: fp32 tables (positions, head_dim) whose first seq rows are positions 0..seq-1,
-    or per-token values (batch, seq, head_dim) (positions that restart at each document).
+    cos, sin: tables (positions, head_dim) whose first seq rows are positions 0..seq-1, or
+    per-token values (batch, seq, head_dim) (positions that restart at each document). They
+    are fp32 unsharded, but under bf16 mixed precision FSDP2 casts a block's floating-point
+    inputs, cos and sin included, to bf16: the rotation then runs in fp32 on bf16-rounded
+    tables (as Hugging Face's Llama, whose rotary tables take x's dtype).
     """
     seq_len = x.shape[1]
     if cos.dim() == 2:
@@ -176,8 +180,25 @@ def _flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+class KVCache:
+    """Keys and values of one attention layer for decoding, unsharded: k, v (batch, max_len, n_kv_heads, head_dim)."""
+
+    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device=None):
+        self.k = torch.zeros(batch, max_len, n_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Store k, v (batch, seq, n_kv_heads, head_dim) at positions start..start+seq-1; return the
+        keys and values of positions 0..start+seq-1. Raises ValueError past max_len."""
+        end = start + k.shape[1]
+        if end > self.k.shape[1]:
+            raise ValueError(f"position {end} exceeds the KV cache length {self.k.shape[1]}")
+        self.k[:, start:end], self.v[:, start:end] = k, v
+        return self.k[:, :end], self.v[:, :end]
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; optionally masked to documents."""
+    """Causal grouped-query attention with RoPE; optionally masked to documents or reading a KV cache."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -187,15 +208,21 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None,
+                cache: KVCache | None = None, start: int = 0) -> Tensor:
         """x: (batch, seq, dim); cos/sin: see apply_rope; mask: None (causal), SDPA's boolean
-        (batch, 1, seq, seq) or a FlexAttention BlockMask. Returns (batch, seq, dim)."""
+        (batch, 1, seq, seq) or a FlexAttention BlockMask. Returns (batch, seq, dim). With cache, x
+        holds positions start..start+seq-1 (cos/sin from start on), its keys and values join cache,
+        and queries attend to positions 0..start+seq-1 under mask: boolean (seq, start+seq), or None
+        (causal) when start is 0."""
         bsz, seq_len, _ = x.shape
         # -1 heads: under tensor parallelism wq/wk/wv hold only this rank's heads.
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, start)  # (bsz, start + seq, kv heads, head_dim)
         n_rep = q.shape[2] // k.shape[2]
         # (bsz, heads, seq, head_dim). The CPU kernel shares K/V heads itself (enable_gqa, no copies);
         # elsewhere K/V are repeated so every SDPA kernel applies.
@@ -234,8 +261,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None,
+                cache: KVCache | None = None, start: int = 0) -> Tensor:
+        # cache and start by keyword: the TP plan's PrepareModuleInput lays out the 4 positional inputs.
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache=cache, start=start)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -249,36 +278,56 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # Not persistent: recomputed by init_weights, never checkpointed.
+        # Not persistent: recomputed by init_weights, never checkpointed. fp32 here; a block
+        # sharded with bf16 mixed precision receives them cast to bf16 (see apply_rope).
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights(seed=0)
 
-    def forward(self, tokens: Tensor, head: Callable[[nn.Module, Tensor], Tensor] | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, head: Callable[[nn.Module, Tensor], Tensor] | None = None,
+                cache: list[KVCache] | None = None, start: int = 0) -> Tensor:
         """tokens: (batch, seq) int64 with seq <= max_seq_len. Returns fp32 logits (batch, seq, vocab).
 
         head: applied as head(self.output, h) to the final norm's output h (batch, seq, dim)
         instead of self.output(h).float(), and its result returned: e.g. a loss that runs the
         output projection chunk by chunk. It runs inside forward, so wrappers that manage the
-        parameters around forward (FSDP) see it as part of it. Raises ValueError when the
-        sequence is longer than the RoPE table.
+        parameters around forward (FSDP) see it as part of it.
+
+        cache (one KVCache per layer, see kv_cache; unsharded only): the tokens are positions
+        start..start+seq-1 and attend causally to themselves and to positions 0..start-1 held in
+        cache, which their keys and values join. This path ignores document_mask: it serves
+        generation, one document (a prompt starting with [EOT], stopped at the next), whose
+        document layout is the causal one. Raises ValueError when start + seq exceeds
+        max_seq_len (the RoPE table) or the cache, or for start < 0 or start without a cache.
         """
-        if tokens.shape[1] > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds model.max_seq_len {self.args.max_seq_len}"
-            )
+        seq_len = tokens.shape[1]
+        if start + seq_len > self.args.max_seq_len:
+            raise ValueError(f"sequence length {start + seq_len} exceeds model.max_seq_len {self.args.max_seq_len}")
+        if start < 0 or (start and cache is None):
+            raise ValueError(f"start ({start}) must be >= 0, and 0 without a cache")
         cos, sin, mask = self.rope_cos, self.rope_sin, None
-        if self.args.document_mask:
+        if cache is not None:
+            # Query i (position start + i) sees keys 0..start + i; from position 0 that is the causal kernel.
+            cos, sin = cos[start:], sin[start:]
+            if start:
+                mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=tokens.device).tril(start)
+        elif self.args.document_mask:
             cos, sin, mask = self._document_layout(tokens)
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, cache[i], start)
         h = self.norm(h)
         if head is not None:
             return head(self.output, h)
         # fp32 logits: the loss must never be taken on bf16 logits.
         return self.output(h).float()
+
+    def kv_cache(self, batch: int, max_len: int) -> list[KVCache]:
+        """One empty KVCache per layer for batch sequences of up to max_len positions, in the dtype
+        and on the device of the parameters."""
+        w, a = self.tok_embeddings.weight, self.args
+        return [KVCache(batch, max_len, a.n_kv_heads, a.head_dim, w.dtype, w.device) for _ in self.layers]
 
     def _document_layout(self, tokens: Tensor):
         """Per-token RoPE tables (batch, seq, head_dim) and the attention mask of packed documents.

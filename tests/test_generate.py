@@ -1,4 +1,4 @@
-"""generate.py: the KV-cached forward equals the training forward, greedy decoding equals
+"""generate.py: the KV-cached forward equals the uncached forward position by position, greedy decoding equals
 transformers' generate token for token, the sampling filters equal transformers' warpers, and a
 checkpoint exported with the documented command generates through plain transformers."""
 import json
@@ -23,23 +23,28 @@ GQA = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=97, ffn_dim=9
            norm_eps=1e-6, rope_theta=500_000.0)
 
 
-def test_cached_forward_equals_the_training_forward():
-    model = random_model(ModelArgs(**GQA))
-    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+MHA = {**GQA, "n_kv_heads": 8}
+
+
+@pytest.mark.parametrize("shape", [GQA, MHA, {**GQA, "document_mask": True}], ids=["gqa", "mha", "document_mask"])
+def test_cached_logits_equal_the_full_forward_position_by_position(shape):
+    """The reference is the model's uncached forward (the training path) over the whole sequence."""
+    model = random_model(ModelArgs(**shape))
+    tokens = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    tokens[:, 0] = 2  # [EOT] starts the document, as in generate.py (the only one: document_mask is causal here)
     with torch.no_grad():
-        full = model(tokens)
-    cache = generate.KVCache(model, 2, 64, torch.float32, "cpu")
-    # A prompt in two chunks (the second attends to the first through the cache), then one token at a time.
-    got = [generate.forward_cached(model, tokens[:, :20], cache, 0),
-           generate.forward_cached(model, tokens[:, 20:30], cache, 20)]
-    want = [full[:, 19], full[:, 29]]
-    for pos in range(30, 40):
-        got.append(generate.forward_cached(model, tokens[:, pos:pos + 1], cache, pos))
-        want.append(full[:, pos])
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        want = model(tokens)
+        cache = model.kv_cache(2, 64)
+        # A prompt in two chunks (the second attends to the first through the cache), then one token at a time.
+        got = [model(tokens[:, :20], cache=cache), model(tokens[:, 20:30], cache=cache, start=20)]
+        got += [model(tokens[:, pos:pos + 1], cache=cache, start=pos) for pos in range(30, 40)]
+        got = torch.cat(got, dim=1)
+    assert got.shape == want.shape == (2, 40, 97)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="max_seq_len"):
-        generate.forward_cached(model, tokens[:, :30], cache, 40)
+        model(tokens[:, :30], cache=cache, start=40)
+    with pytest.raises(ValueError, match="KV cache length"):
+        model(tokens[:, :10], cache=model.kv_cache(2, 32), start=30)
 
 
 def test_greedy_generation_equals_transformers(tmp_path):
