@@ -160,7 +160,9 @@ def validate(cfg: Config, world_size: int) -> None:
     Raises SetupError (or DataError for a source) naming the fields and the fix: world size
     not divisible by parallel.tp, a global batch that does not split over the data-parallel
     ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
-    source, a tokenizer larger than the model's vocabulary, an unwritable run directory.
+    source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
+    than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
+    unwritable run directory.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
@@ -187,6 +189,9 @@ def validate(cfg: Config, world_size: int) -> None:
             f"({cfg.model.vocab_size}); lower the first or raise the second"
         )
     check_run_dir(cfg.run_dir)
+    prepared = RunDir(cfg.run_dir).tokenizer
+    if os.path.isfile(prepared):  # a run directory prepared before: its tokenizer is the run's
+        check_tokenizer(prepared, cfg.model)
 
 
 def check_run_dir(run_dir: str) -> None:

@@ -2,9 +2,11 @@
 import pytest
 
 import cli
+import distributed
+import trainer
 from config import Config, parse_config
 from errors import ConfigError
-from launch import DEBUG
+from launch import DEBUG, prepared_data_dir, refused
 
 
 def test_debug_toml_with_overrides_and_preset():
@@ -123,3 +125,15 @@ def test_an_error_message_stays_one_line_whatever_the_names_hold(capsys):
     report(UserError("data.dataset: no file matches 'a\nb.jsonl'"))
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a\\nb.jsonl" in err
+
+
+def test_an_eot_id_that_the_prepared_run_directory_disagrees_with_is_refused_before_any_collective(
+        tmp_path, capsys, monkeypatch):
+    def no_collective(*args):
+        raise AssertionError("the process group was started: a lone rank would wait for its peers")
+
+    monkeypatch.setattr(distributed, "init_distributed", no_collective)
+    prepared_data_dir(tmp_path)  # its tokenizer has [EOT] at id 2 (the debug corpus)
+    argv = ["--config", DEBUG, "--run_dir", str(tmp_path), "--model.document_mask", "true", "--model.eot_id", "5"]
+    line = refused(trainer.main, argv, capsys)
+    assert "has [EOT] at id 2 but model.eot_id is 5; set --model.eot_id 2" in line, line
