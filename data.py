@@ -148,6 +148,9 @@ class DataConfig:
             raise ConfigError(f"data.sources: two sources are named {twice[0]!r}; give each its own name")
         if self.sources and not sum(s.weight for s in self.sources) > 0:
             raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
+        if not math.isfinite(sum(s.weight for s in self.sources)):
+            raise ConfigError("data.sources: the weights sum past the largest float (inf); give smaller weights "
+                              "(only their ratios matter)")
         if self.stages and not self.sources:
             raise ConfigError("data.stages needs [[data.sources]] tables: the stages' weights name the sources")
         last = -1
@@ -168,6 +171,9 @@ class DataConfig:
                     raise ConfigError(f"{where}.weights.{name} must be a finite number >= 0, got {w}")
             if not sum(stage.weights.values()) > 0:
                 raise ConfigError(f"{where}.weights: every weight is 0 (or none given); give a source a weight > 0")
+            if not math.isfinite(sum(stage.weights.values())):
+                raise ConfigError(f"{where}.weights: they sum past the largest float (inf); give smaller weights "
+                                  f"(only their ratios matter)")
 
     def source_list(self) -> list[SourceConfig]:
         """The sources of the mixture, every reading field resolved (unset ones from [data]).
@@ -177,6 +183,16 @@ class DataConfig:
         given = self.sources or [SourceConfig(name=DEFAULT_SOURCE, dataset=self.dataset)]
         return [dataclasses.replace(s, **{k: getattr(self, k) for k in READING_FIELDS if getattr(s, k) is None})
                 for s in given]
+
+    def prepared_settings(self) -> dict:
+        """Every setting that decides the prepared tokens, and nothing else (not weights, stages, seq_len).
+
+        {"tokenizer": {the TOKENIZER_FIELDS}, "sources": [{"name", "dataset", the READING_FIELDS}]}
+        in source_list() order: prepare.py keys and checks a data directory by these, and a
+        directory prepared with equal ones holds the same tokens.
+        """
+        return {"tokenizer": {k: getattr(self, k) for k in TOKENIZER_FIELDS},
+                "sources": [{"name": s.name, **s.reading()} for s in self.source_list()]}
 
     def weight_schedule(self) -> list[tuple[int, list[float]]]:
         """[(start_step, weights in source_list() order)], the first from step 0 (the sources' own weights)."""

@@ -45,9 +45,6 @@ from prepare import prepare
 from rundir import RunDir
 from validation import loss_sum_and_count, val_set
 
-# DataConfig fields that only cut, order or weigh the token streams; any other one changes the tokens.
-_READ_FIELDS = ("seq_len", "val_fraction", "seed", "stages")
-
 
 def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0, source: str = "") -> list[tuple[int, int]]:
     """Windows [(source number, window index)] of a split ('val', 'train' or 'all') of each source (or of
@@ -73,8 +70,6 @@ def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0, sour
     return out
 
 
-def _source(data_cfg) -> dict:
-    return {k: v for k, v in dataclasses.asdict(data_cfg).items() if k not in _READ_FIELDS}
 
 
 def prepared_data(cfg, run_cfg, run_dir: str, tokenizer: str) -> str:
@@ -83,13 +78,13 @@ def prepared_data(cfg, run_cfg, run_dir: str, tokenizer: str) -> str:
 
     Raises DataError when the run's corpus is missing or the other source cannot be read.
     """
-    if _source(cfg.data) == _source(run_cfg.data):
+    if cfg.data.prepared_settings() == run_cfg.data.prepared_settings():
         own = RunDir(run_dir).data
         if not os.path.isfile(os.path.join(own, "meta.json")):
             raise DataError(f"'{own}' holds no prepared corpus (meta.json); pass --data.dataset")
         return own
     data_cfg = dataclasses.replace(cfg.data, tokenizer=tokenizer)
-    digest = hashlib.sha1(json.dumps(_source(data_cfg), sort_keys=True).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(json.dumps(data_cfg.prepared_settings(), sort_keys=True).encode()).hexdigest()[:12]
     out = RunDir(run_dir).eval_data(digest)
     prepare(data_cfg, out)
     return out

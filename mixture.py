@@ -52,6 +52,18 @@ def batch_counts(total: int, weights: list[float], step: int) -> list[int]:
     return counts
 
 
+def weight_shares(weights: list[float]) -> list[float]:
+    """Each weight's share of their sum (floats >= 0, one > 0): w / sum(weights), summing to 1.
+
+    Divides by the largest weight first, so weights near the largest float (whose sum
+    overflows to inf) still give finite shares.
+    """
+    top = max(weights)
+    scaled = [w / top for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
+
+
 def most_per_batch(total: int, weights: list[float]) -> list[int]:
     """The most samples of each source one batch_counts(total, weights, step) can hold: ceil of its quota."""
     norm = sum(Fraction(w) for w in weights)

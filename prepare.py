@@ -31,11 +31,12 @@ import torch.distributed as dist
 
 import distributed
 from config import check_run_dir, parse_config
-from data import DEFAULT_SOURCE, TOKENIZER_FIELDS, DataConfig, DataError, SourceConfig, read_meta, token_dtype
+from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
 from errors import ConfigError, UserError, report
+from mixture import weight_shares
 from progress import duration
 from rundir import RunDir
-from sources import check_source, iter_documents, source_units
+from sources import check_source, iter_documents, source_units, txt_notice
 from tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
 
 
@@ -242,7 +243,7 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
     Checks an earlier preparation against cfg, or starts a new one in tmp with the tokenizer.
     """
     meta_path = os.path.join(out_dir, "meta.json")
-    wanted_tok = {k: getattr(cfg, k) for k in TOKENIZER_FIELDS}
+    wanted_tok = cfg.prepared_settings()["tokenizer"]
     if os.path.exists(meta_path):
         meta, work = read_meta(out_dir), out_dir
         changed = _changed(meta["tokenizer_config"], wanted_tok, lambda k: f"data.{k}")
@@ -280,6 +281,9 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
             os.makedirs(os.path.join(work, PARTS, src.name))
             changed = True
         _say_cap(src, "tokenizing" if record is None and not same else "prepared")
+        notice = txt_notice(src) if record is None and not same else ""
+        if notice:
+            print(f"[data] notice: {notice}", flush=True)
     return {"work": work, "meta": meta, "todo": todo, "changed": changed}
 
 
@@ -295,18 +299,21 @@ def _make_tokenizer(cfg: DataConfig):
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
     srcs = cfg.source_list()
-    shares = ", ".join(f"{s.name} {s.weight / sum(x.weight for x in srcs):.0%}" for s in srcs)
+    shares = ", ".join(f"{s.name} {share:.0%}" for s, share in zip(srcs, weight_shares([s.weight for s in srcs])))
     print(f"[data] training a byte-level BPE tokenizer of {cfg.tokenizer_vocab_size} tokens on up to "
           f"{cfg.tokenizer_train_chars:,} characters of {shares}", flush=True)
     return train_tokenizer(tokenizer_texts(cfg), cfg.tokenizer_vocab_size, cfg.tokenizer_train_chars)
 
 
 def tokenizer_texts(cfg: DataConfig) -> Iterator[str]:
-    """Documents to train a tokenizer on: each source's first ones, up to tokenizer_train_chars x its weight share."""
+    """Documents to train a tokenizer on: each source's first ones, up to tokenizer_train_chars x its weight share.
+
+    A source gets documents while it has had fewer characters than its budget, so it may
+    exceed it by one document; a source of weight 0 gets none.
+    """
     srcs = cfg.source_list()
-    total = sum(s.weight for s in srcs)
-    for src in srcs:
-        budget, seen = cfg.tokenizer_train_chars * src.weight / total, 0
+    for src, share in zip(srcs, weight_shares([s.weight for s in srcs])):
+        budget, seen = cfg.tokenizer_train_chars * share, 0
         for text in iter_documents(src) if budget > 0 else ():
             if seen >= budget:
                 break

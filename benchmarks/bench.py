@@ -199,8 +199,7 @@ def memory_step(v, batch, profile_rows: int) -> dict:
 def loader_rate(cfg, dp_rank: int, dp: int, seconds: float) -> float:
     """Tokens/s per rank that loader.GlobalBatchLoader.next_step delivers on cfg.data (prepared into
     run_dir/data_<hash of the data settings> on rank 0 if needed); counts input tokens."""
-    key = json.dumps([[s.reading() for s in cfg.data.source_list()],
-                      [getattr(cfg.data, k) for k in data_lib.TOKENIZER_FIELDS]], sort_keys=True)
+    key = json.dumps(cfg.data.prepared_settings(), sort_keys=True)
     out = os.path.join(cfg.run_dir, f"data_{zlib.crc32(key.encode()):08x}")
     distributed.on_rank0(lambda: prepare.prepare(cfg.data, out), dist.get_rank())
     corpus = data_lib.PackedCorpus(out, cfg.data)

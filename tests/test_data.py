@@ -1,5 +1,6 @@
 """data.py: packing keeps every token, one separator per document, world-size independent global
 batches with disjoint rank slices, reshuffled epochs, exact resume of the loader position."""
+import io
 import json
 import os
 import shutil
@@ -294,3 +295,135 @@ def test_a_damaged_data_directory_is_named_with_the_fix(corpus_dir, tmp_path):
         (bad / name).write_bytes(damage)
         with pytest.raises(DataError, match="the data directory is damaged: move .* away and run again"):
             PackedCorpus(str(bad), cfg)
+
+
+def _datasets_documents(kind: str, path: str, **kwargs) -> list[str]:
+    """The reference: the documents datasets' own builder reads from one file (the one-unit reading)."""
+    import datasets
+
+    rows = datasets.load_dataset(kind, data_files=[path], split="train", streaming=True, **kwargs)
+    return [r["text"] for r in rows if r["text"]]
+
+
+def _mixed_rows(n=300):
+    words = ["alpha", "béta", "γάμμα", "日本", "x" * 60, "a\\nb", "tab\there", "[EOT]"]
+    rows = [{"text": " ".join(words[(i * j) % len(words)] for j in range(i % 50)), "id": i} for i in range(n)]
+    rows[7] = {"id": 7}  # no text column: no document
+    rows[9]["text"] = None
+    return rows
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for i, r in enumerate(rows):
+            f.write(json.dumps(r, ensure_ascii=i % 2 == 0) + "\n" + ("\n" if i % 40 == 0 else ""))
+    return str(path)
+
+
+def _write_parquet(path, rows, row_group_size=25):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"text": r.get("text"), "id": r["id"]} for r in rows]), str(path),
+                   row_group_size=row_group_size)
+    return str(path)
+
+
+def _lines_text(n=500):
+    """Lines, empty lines and whitespace-only ones, '\\n' and '\\r\\n' endings."""
+    out = []
+    for i in range(n):
+        line = "" if i % 9 == 0 else ("  \t" if i % 13 == 0 else f"line {i} " + "wörd " * (i % 11))
+        out.append(line + ("\r\n" if i % 7 == 0 else "\n"))
+    return "".join(out)
+
+
+def test_the_units_of_one_file_read_exactly_its_documents(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "UNIT_BYTES", 700)
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 300)
+    rows = _mixed_rows()
+    cases = {"jsonl": (_write_jsonl(tmp_path / "a.jsonl", rows), {}, ("json", {})),
+             "parquet": (_write_parquet(tmp_path / "b.parquet", rows), {}, ("parquet", {}))}
+    (tmp_path / "c.txt").write_bytes(_lines_text().encode())
+    no_blank_spaces = "".join(line for line in _lines_text().splitlines(keepends=True) if line.strip() or line in "\r\n")
+    (tmp_path / "d.txt").write_bytes(no_blank_spaces.encode())
+    cases["txt line"] = (str(tmp_path / "c.txt"), {"txt_documents": "line"}, ("text", {"sample_by": "line"}))
+    # Without whitespace-only lines, the paragraphs are datasets' own (split at "\n\n").
+    cases["txt blank_line"] = (str(tmp_path / "d.txt"), {"txt_documents": "blank_line"},
+                               ("text", {"sample_by": "paragraph"}))
+    for name, (path, fields, (kind, kwargs)) in cases.items():
+        units = sources.source_units(DataConfig(dataset=path, **fields).source_list()[0])
+        docs = [d for unit in units for d in unit()]
+        assert len(units) > 3, name
+        assert docs == _datasets_documents(kind, path, **kwargs), name
+    # Whitespace-only lines are blank lines too: paragraphs as if they were empty.
+    src = DataConfig(dataset=str(tmp_path / "c.txt"), txt_documents="blank_line").source_list()[0]
+    docs = [d for unit in sources.source_units(src) for d in unit()]
+    norm = "\n".join(line if line.strip() else "" for line in _lines_text().replace("\r\n", "\n").split("\n"))
+    assert docs == [p for p in norm.split("\n\n") if p]
+
+
+def test_whitespace_only_lines_separate_paragraphs_and_a_big_txt_document_is_noticed(tmp_path, capsys):
+    # WikiText-103's layout: the lines between paragraphs hold one space.
+    wiki = " \n = Valkyria Chronicles III = \n \n Senjō no Valkyria 3 : Unrecorded Chronicles . \n \n" \
+           " = = Gameplay = = \n \n As with previous games . \n"
+    (tmp_path / "wiki.txt").write_text(wiki)
+    src = DataConfig(dataset=str(tmp_path / "wiki.txt"), txt_documents="blank_line").source_list()[0]
+    assert list(sources.iter_documents(src)) == [
+        "\n = Valkyria Chronicles III = ", " Senjō no Valkyria 3 : Unrecorded Chronicles . ", " = = Gameplay = = ",
+        " As with previous games . \n"]
+    big = tmp_path / "big" / "train.txt"
+    big.parent.mkdir()
+    big.write_text((wiki * 12000)[:sources.BIG_DOCUMENT_BYTES + 10])
+    tokenizer.train_tokenizer([wiki], 300, 10 ** 6).save(str(tmp_path / "tok.json"))
+    prepare.prepare(DataConfig(dataset=str(big), tokenizer=str(tmp_path / "tok.json")), str(tmp_path / "out"))
+    notices = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[data] notice:")]
+    assert notices == [f"[data] notice: source 'default' reads '{big}' (1.0 MiB) as one document "
+                       f"(data.txt_documents = \"file\"); set data.txt_documents = \"blank_line\" (paragraphs) or "
+                       f"\"line\" to split it into documents"]
+    prepare.prepare(DataConfig(dataset=str(big), tokenizer=str(tmp_path / "tok.json"), txt_documents="line"),
+                    str(tmp_path / "out2"))
+    assert "notice" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt"])
+def test_one_file_is_tokenized_by_every_rank_into_the_stream_of_its_one_unit_reading(tmp_path, monkeypatch, kind):
+    rows = _mixed_rows()
+    path = {"jsonl": lambda: _write_jsonl(tmp_path / "a.jsonl", rows),
+            "parquet": lambda: _write_parquet(tmp_path / "a.parquet", rows),
+            "txt": lambda: (tmp_path / "a.txt").write_bytes(_lines_text().encode()) and str(tmp_path / "a.txt")}[kind]()
+    texts = [r["text"] for r in rows if r.get("text")]
+    tokenizer.train_tokenizer(texts, 300, 10 ** 6).save(str(tmp_path / "tok.json"))
+    tok = tokenizer.load_tokenizer(str(tmp_path / "tok.json"))
+    cfg = DataConfig(dataset=path, tokenizer=str(tmp_path / "tok.json"), txt_documents="line")
+    reference = io.BytesIO()  # what one unit read by datasets (the code before units per file) packs
+    ref_docs = _datasets_documents({"jsonl": "json", "parquet": "parquet", "txt": "text"}[kind], path)
+    prepare.tokenize_documents(ref_docs, tok, reference, "uint16")
+    monkeypatch.setattr(sources, "UNIT_BYTES", 1000)
+    metas = _prepare_on_ranks(cfg, str(tmp_path / "three"), 3)
+    assert not any(isinstance(m, Exception) for m in metas), metas
+    assert metas[0]["sources"]["default"]["work_units"] > 3
+    assert open(source_file(tmp_path / "three"), "rb").read() == reference.getvalue()
+
+
+@pytest.mark.slow
+def test_one_big_file_under_torchrun_equals_one_process_and_its_one_unit_reading(tmp_path):
+    from launch import DEBUG, torchrun
+
+    rows = _mixed_rows(2000)
+    texts = [r["text"] for r in rows if r.get("text")]
+    tokenizer.train_tokenizer(texts, 300, 10 ** 6).save(str(tmp_path / "tok.json"))
+    tok = tokenizer.load_tokenizer(str(tmp_path / "tok.json"))
+    for kind, path in (("json", _write_jsonl(tmp_path / "a.jsonl", rows)),
+                       ("parquet", _write_parquet(tmp_path / "a.parquet", rows, row_group_size=100))):
+        reference = io.BytesIO()
+        prepare.tokenize_documents(_datasets_documents(kind, path), tok, reference, "uint16")
+        streams = []
+        for nproc in (1, 2):
+            rd = tmp_path / f"{kind}{nproc}"
+            torchrun(nproc, "tests/small_units_prepare.py", "--unit_bytes", "20000", "--config", DEBUG,
+                     "--run_dir", str(rd), "--data.dataset", path, "--data.tokenizer", str(tmp_path / "tok.json"),
+                     "--data.max_documents", "0", timeout=240)
+            assert data.read_meta(str(rd / "data"))["sources"]["default"]["work_units"] >= 4
+            streams.append(open(source_file(rd / "data"), "rb").read())
+        assert streams[0] == streams[1] == reference.getvalue(), kind

@@ -1,6 +1,7 @@
 """Data mixtures: largest-remainder counts, the same global batches at any world size across a
 stage change, per-source epochs, exact resume from the state alone, per-source preparation that
 re-uses what is prepared, plain-text encoding of special-token strings, compressed inputs, bad input."""
+import argparse
 import copy
 import dataclasses
 import gzip
@@ -464,3 +465,65 @@ def test_a_run_directory_from_before_mixtures_trains_and_resumes(tmp_path, singl
         assert torch.equal(p.full_tensor(), q.full_tensor()), n
     assert a.loader.state == b.loader.state
     assert {f: (rd / "data" / f).read_bytes() for f in before} == before  # read as it is, never rewritten
+
+
+@pytest.mark.parametrize("tables, msg", [
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\nweight = 1e308\n'
+     '[[data.sources]]\nname = "b"\ndataset = "stdlib"\nweight = 1e308\n',
+     "data.sources: the weights sum past the largest float (inf); give smaller weights"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.sources]]\nname = "b"\ndataset = "stdlib"\n'
+     '[[data.stages]]\nstart_step = 3\nweights = { a = 1e308, b = 1e308 }\n',
+     "data.stages[0].weights: they sum past the largest float (inf); give smaller weights"),
+])
+def test_weights_whose_sum_overflows_are_refused_with_the_field(tmp_path, tables, msg):
+    toml = tmp_path / "m.toml"
+    toml.write_text(open(DEBUG).read().replace('dataset = "stdlib"\n', "") + "\n" + tables)
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--config", str(toml)])
+    assert str(e.value).startswith(msg) and "\n" not in str(e.value)
+
+
+def test_huge_finite_weights_give_the_shares_of_their_ratios(tmp_path):
+    # 1e308 + 1e307 is finite, but a budget of chars * 1e308 / total overflows before the division.
+    assert mixture.weight_shares([1e308, 1e307]) == pytest.approx([10 / 11, 1 / 11], rel=1e-15)
+    assert mixture.weight_shares([3.0, 0.0, 1.0]) == [0.75, 0.0, 0.25]
+    cfg = DataConfig(tokenizer_train_chars=1100, sources=[
+        SourceConfig(name="x", dataset=_jsonl(tmp_path / "x.jsonl", ["x" * 100] * 100), weight=1e308),
+        SourceConfig(name="y", dataset=_jsonl(tmp_path / "y.jsonl", ["y" * 100] * 100), weight=1e307)])
+    texts = list(prepare.tokenizer_texts(cfg))
+    assert sum(len(t) for t in texts if t[0] == "x") == 1000 and sum(len(t) for t in texts if t[0] == "y") == 100
+
+
+def test_evaluate_reuses_the_run_corpus_exactly_when_prepare_would(tmp_path):
+    """evaluate's choice of the run's own corpus agrees with prepare's reuse of a data directory, field by field."""
+    import evaluate
+
+    tokenizer.train_tokenizer(_texts("t", 20), 300, 10 ** 6).save(str(tmp_path / "tok.json"))
+    tok = str(tmp_path / "tok.json")
+    base = DataConfig(tokenizer=tok, seq_len=8, val_fraction=0.1, sources=[
+        SourceConfig(name="a", dataset=_jsonl(tmp_path / "a.jsonl", _texts("a", 20)), weight=1, text_column="text"),
+        SourceConfig(name="b", dataset=_jsonl(tmp_path / "b.jsonl", _texts("b", 20)), weight=1, text_column="text")])
+    run = tmp_path / "run"
+    prepare.prepare(base, str(run / "data"))
+    meta = (run / "data" / "meta.json").read_bytes()
+    variants = {
+        "weights": dataclasses.replace(base, sources=[dataclasses.replace(s, weight=3) for s in base.sources]),
+        "stages": dataclasses.replace(base, stages=[StageConfig(2, {"a": 1.0})]),
+        "seq_len": dataclasses.replace(base, seq_len=16),
+        "val_fraction": dataclasses.replace(base, val_fraction=0.2),
+        "a [data] default every source overrides": dataclasses.replace(base, text_column="body"),
+        "max_documents": dataclasses.replace(base, max_documents=5),
+        "tokenizer_vocab_size": dataclasses.replace(base, tokenizer_vocab_size=512),
+        "a source's text_column": dataclasses.replace(
+            base, sources=[dataclasses.replace(base.sources[0], text_column="body"), base.sources[1]]),
+    }
+    for what, cfg in variants.items():
+        try:
+            prepare.prepare(cfg, str(run / "data"))
+            reused = (run / "data" / "meta.json").read_bytes() == meta
+        except DataError:  # "prepared with other data settings"
+            reused = False
+        own = evaluate.prepared_data(argparse.Namespace(data=cfg), argparse.Namespace(data=base), str(run), tok) \
+            if reused else None
+        assert reused == (own == str(run / "data")), what
+        assert reused == (cfg.prepared_settings() == base.prepared_settings()), what
