@@ -8,6 +8,7 @@
     DIR/profile/          torch.profiler traces (train.profile_steps)
     DIR/eval_data/<hash>/ another source tokenized by evaluate.py with the run's tokenizer
     DIR/.lock             held by the running job (checkpoint.lock_run_dir)
+    DIR/exit.json         how the last run ended, for scripts (torchrun's own exit status is 1 after a signal)
 
 Modules take their paths from here, never from string literals of their own, so a path
 can move (checkpoints to object storage, say) in one place.
@@ -61,6 +62,10 @@ class RunDir:
     @property
     def lock(self) -> str:
         return self._path(".lock")
+
+    @property
+    def exit_record(self) -> str:
+        return self._path("exit.json")
 
     def eval_data(self, digest: str) -> str:
         """Where evaluate.py tokenizes another source (digest: a hash of its reading settings)."""

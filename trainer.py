@@ -6,7 +6,9 @@ top of the library modules: parallelize, optim, loss, data, prepare, checkpoint,
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -284,6 +286,8 @@ def train(s: Session) -> int:
     loader, train_state, ckpt = s.loader, s.train_state, s.ckpt
     if rank == 0:
         cli.write_resolved(cfg, RunDir(cfg.run_dir).config)
+        with contextlib.suppress(FileNotFoundError):  # a record of an earlier run must not speak for this one
+            os.remove(RunDir(cfg.run_dir).exit_record)
 
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
@@ -356,6 +360,7 @@ def train(s: Session) -> int:
     log.close()
     if rank == 0:
         step, total = train_state.step, cfg.train.steps
+        write_exit_record(RunDir(cfg.run_dir).exit_record, stopped_by, step, total)
         if stopped_by:
             verb = "interrupted" if stopped_by == signal.SIGINT else "stopped"
             print(f"[train] {signal.Signals(stopped_by).name}: saved step {step} in {ckpt.root}; {verb} at step "
@@ -364,6 +369,27 @@ def train(s: Session) -> int:
             print(f"[train] finished: step {step} of {total}; peak memory {peak_memory_gib(device):.2f} GiB on "
                   f"rank 0", flush=True)
     return stopped_by
+
+
+def exit_status(stopped_by: int) -> int:
+    """The command's exit status after train() returned stopped_by: 130 after SIGINT (Ctrl-C), else 0."""
+    return 130 if stopped_by == signal.SIGINT else 0
+
+
+def write_exit_record(path: str, stopped_by: int, step: int, steps: int) -> None:
+    """Write how the run ended as JSON, atomically (rank 0): what scripts/slurm_train.sh exits with.
+
+    {"status": "finished" | "stopped" (SIGTERM) | "interrupted" (SIGINT), "signal": name or
+    null, "step": steps done, "steps": train.steps, "exit_status": 0 or 130}. torchrun's agent
+    itself exits 1 after it forwarded a signal, so its status cannot tell a clean stop from a
+    crash; a crash writes no record (and the start of every run removes the last one).
+    """
+    status = {0: "finished", signal.SIGINT: "interrupted"}.get(stopped_by, "stopped")
+    record = {"status": status, "signal": signal.Signals(stopped_by).name if stopped_by else None, "step": step,
+              "steps": steps, "exit_status": exit_status(stopped_by)}
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
 
 
 # ---------------------------------------------------------------- the command
@@ -443,7 +469,7 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
     try:
         cfg = parse_config(argv, description, require_file=True)
         check_run(cfg, distributed.world_size(), tp_plan, check_layout)
-        return 130 if run(cfg, tp_plan) == signal.SIGINT else 0
+        return exit_status(run(cfg, tp_plan))
     except PeerError as e:
         report(e)
         # The process group is broken: leave now, before interpreter teardown races gloo's threads

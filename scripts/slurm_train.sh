@@ -7,7 +7,8 @@
 # group up to MAX_RESTARTS times when a rank dies or hangs (train.collective_timeout_s), and the
 # trainer resumes from the newest complete checkpoint by itself; so does resubmitting the job.
 # SLURM's SIGTERM before a preemption or the time limit makes every rank finish its step, save
-# and exit (--signal asks for it 120 s early).
+# and exit (--signal asks for it 120 s early); the script then exits 0 (130 after Ctrl-C), and
+# with torchrun's status otherwise.
 # Environment: NPROC_PER_NODE (default: SLURM_GPUS_ON_NODE, else 8), RDZV_PORT (29500),
 # MAX_RESTARTS (3), HEAD_NODE (default: the first host of SLURM_JOB_NODELIST).
 #SBATCH --job-name=llama-pretrain
@@ -20,7 +21,7 @@ set -euo pipefail
 USAGE="usage: slurm_train.sh [--dry-run] SCRIPT CONFIG RUN_DIR [--section.field value ...]"
 DRY_RUN=0
 case "${1:-}" in
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; echo "$USAGE"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; echo "$USAGE"; exit 0 ;;
     --dry-run) DRY_RUN=1; shift ;;
 esac
 if [[ $# -lt 3 ]]; then
@@ -51,6 +52,19 @@ CMD=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun
 if [[ $DRY_RUN == 1 ]]; then
     printf '%q ' srun --kill-on-bad-exit=1 "${CMD[@]}"
     echo
-else
-    srun --kill-on-bad-exit=1 "${CMD[@]}"
+    exit 0
 fi
+# torchrun exits 1 after it forwarded a SIGTERM or SIGINT to its workers, even when they finished
+# the step and saved. The trainer writes how it ended to RUN_DIR/exit.json; exit with its status
+# (0 after SIGTERM, 130 after Ctrl-C), so a requeue script can tell a clean stop from a crash.
+# The traps only defer a signal to this script until srun returns (a trapped signal, unlike an
+# ignored one, is not inherited by srun).
+trap ':' TERM INT
+EXIT_RECORD="$RUN_DIR/exit.json"
+rm -f "$EXIT_RECORD"
+rc=0
+srun --kill-on-bad-exit=1 "${CMD[@]}" || rc=$?
+if [[ $rc != 0 && -f "$EXIT_RECORD" ]]; then
+    rc=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["exit_status"])' "$EXIT_RECORD")
+fi
+exit "$rc"

@@ -1,5 +1,6 @@
 """checkpoint.py: every piece of state round-trips; a crash mid-run resumes to the same losses;
 resume at another world size; half-written checkpoints are skipped; async = sync; keep-k; SIGTERM."""
+import json
 import os
 import random
 import shutil
@@ -215,6 +216,8 @@ def test_ctrl_c_finishes_the_step_on_every_rank_saves_and_resumes_the_same_run(t
     assert rc != 0
     assert "[train] SIGINT: saved step" in log and "interrupted at step" in log and "run the same command" in log
     assert "KeyboardInterrupt" not in log, log[-3000:]  # the workers stopped cleanly (torchrun's agent may not)
+    record = json.loads((rd / "exit.json").read_text())  # what a script reads, as torchrun's status is 1
+    assert record["status"] == "interrupted" and record["exit_status"] == 130
     saved = ckpt_lib.complete_checkpoints(str(rd / "checkpoints"))
     assert saved and saved[-1][0] == max(r["step"] for r in metrics(rd))
     debug_run(2, rd, *COMMON, "--checkpoint.interval", "1000")

@@ -2,15 +2,17 @@
 SLURM's srun would start it on two nodes (two torchrun agents meeting in a c10d rendezvous, each
 with two workers: RANK differs from LOCAL_RANK), trains the same run as one process and as one
 agent with four workers."""
+import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 
 import pytest
 
 import distributed
-from launch import DEBUG, GRAD_STEPS, ROOT, losses, prepared_data_dir, spawn
+from launch import DEBUG, GRAD_STEPS, ROOT, kill_tree, losses, prepared_data_dir, spawn, wait_for_step
 
 FAST = ["--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000", "--train.val_interval", "0"]
 
@@ -63,3 +65,34 @@ def test_two_agents_as_two_nodes_train_the_same_run_as_one(tmp_path, worker, scr
     for name, ref in [("1 process", worker(1, 1)), ("1 agent of 4 workers", worker(*one_agent))]:
         for step, want in enumerate(ref["losses"], start=1):
             assert abs(got[step] - want) / want <= 1e-5, f"step {step} vs {name}"
+
+
+@pytest.mark.slow
+def test_the_slurm_script_exits_0_after_sigterm_although_torchrun_exits_1(tmp_path):
+    # srun is SLURM's: on this machine a stand-in runs its command as srun runs it on one node.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\nshift  # --kill-on-bad-exit=1\nexec "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    (bin_dir / "torchrun").write_text(f'#!/bin/sh\nexec {sys.executable} -m torch.distributed.run "$@"\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    rd = tmp_path / "run"
+    prepared_data_dir(rd)
+    (rd / "exit.json").write_text('{"exit_status": 0}')  # an earlier run's record must not speak for this one
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "1", "SLURM_JOB_ID": "7", "HEAD_NODE": "127.0.0.1",
+           "RDZV_PORT": str(distributed.free_port()), "NPROC_PER_NODE": "2", "MAX_RESTARTS": "0"}
+    script = ["bash", os.path.join(ROOT, "scripts", "slurm_train.sh"), "train_fsdp.py", DEBUG, str(rd),
+              "--train.steps", "200", "--checkpoint.interval", "1000", "--train.val_interval", "0"]
+    p = spawn(script, tmp_path / "job.log", env=env)
+    try:
+        wait_for_step(rd, 2, p)
+        os.killpg(p.pid, signal.SIGTERM)  # as scancel signals the batch script and its job step
+        rc = p.wait(timeout=180)
+    finally:
+        kill_tree(p.pid)
+    log = (tmp_path / "job.log").read_text()
+    assert "SIGTERM: saved step" in log, log[-3000:]
+    assert "SignalException" in log  # torchrun's agent did exit with its own status 1 ...
+    assert rc == 0, log[-3000:]  # ... and the script exits with the trainer's
+    record = json.loads((rd / "exit.json").read_text())
+    assert record["status"] == "stopped" and record["signal"] == "SIGTERM" and 2 <= record["step"] < 200
