@@ -84,7 +84,8 @@ PRESETS: dict[str, dict] = {
     # Tiny CPU model for the debug config and the tests.
     "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=4096, ffn_dim=384,
                   max_seq_len=512),
-    # A GPT-2-small-sized Llama: the 125M model of configs/llama_125m.toml.
+    # GPT-2 small's shape (hence the name; GPT-2's 124M ties its 50k-token embedding to the output):
+    # with an untied embedding and output, 179M parameters, 103M of them outside the two.
     "llama_125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=3, vocab_size=50_000,
                        ffn_dim=3072, max_seq_len=2048),
     # Llama 3.2 1B and Llama 3 8B shapes (without Llama 3.1's RoPE frequency scaling).

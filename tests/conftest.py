@@ -11,7 +11,9 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
+import distributed  # noqa: E402
 from launch import DEBUG, GRAD_STEPS, REFERENCE_ARGS, debug_run, prepared_data_dir, torchrun  # noqa: E402
 
 
@@ -42,3 +44,11 @@ def reference(tmp_path_factory):
     prepared_data_dir(ref)
     debug_run(2, ref, *REFERENCE_ARGS, "--checkpoint.keep", "0")
     return ref
+
+
+@pytest.fixture(scope="module")
+def single_rank_group():
+    """A 1-rank gloo process group for in-process tests of collective code (one per test module)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

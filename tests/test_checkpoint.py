@@ -8,11 +8,9 @@ import signal
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import checkpoint as ckpt_lib
-import distributed
 import trainer
 from config import parse_config
 from launch import (
@@ -27,13 +25,6 @@ from launch import (
     torchrun_command,
     wait_for_step,
 )
-
-
-@pytest.fixture(scope="module")
-def single_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _session(run_dir, *overrides):

@@ -17,10 +17,8 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 import data
-import distributed
 import mixture
 import prepare
 import sources
@@ -405,13 +403,6 @@ def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_pat
                           "--data.dataset", str(tmp_path / "docs.jsonl"), "--data.text_column", "body"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1])["sequences"] > 0
-
-
-@pytest.fixture(scope="module")
-def single_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _legacy_data_dir(rd) -> None:
