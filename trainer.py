@@ -140,7 +140,7 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     loader's next_step()). after_backward(model): called once the gradients are complete and
     before clipping (tests read them there). The loss is that of the global batch of
     cfg.train.global_batch_size windows of cfg.data.seq_len targets each (forward_backward).
-    Raises NonFiniteError when the norm is not finite and cfg.train.nonfinite is "raise":
+    Raises NonFiniteError when the norm is not finite and cfg.train.nonfinite is "stop":
     neither the weights, the schedule nor the counters moved. With "skip" the update is
     skipped but the step counts.
     """
