@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import data
+import evaluate
 import mixture
 import prepare
 import sources
@@ -221,12 +222,17 @@ def test_per_source_preparation_reuses_what_is_prepared(tmp_path, tok_path, caps
         prepare.prepare(changed, out)
 
 
-def test_a_tokenizer_trained_here_sees_the_sources_by_weight(tmp_path):
-    cfg = DataConfig(tokenizer_train_chars=3000, sources=[
-        SourceConfig(name="x", dataset=_jsonl(tmp_path / "x.jsonl", ["x" * 100] * 100), weight=3),
-        SourceConfig(name="y", dataset=_jsonl(tmp_path / "y.jsonl", ["y" * 100] * 100), weight=1)])
+@pytest.mark.parametrize("wx, wy, chars, want_x, want_y", [
+    (3, 1, 3000, 2300, 800),
+    # 1e308 + 1e307 is finite, but a budget of chars * 1e308 / total overflows before the division.
+    (1e308, 1e307, 1100, 1000, 100),
+], ids=["3_to_1", "huge_finite"])
+def test_a_tokenizer_trained_here_sees_the_sources_by_weight(tmp_path, wx, wy, chars, want_x, want_y):
+    cfg = DataConfig(tokenizer_train_chars=chars, sources=[
+        SourceConfig(name="x", dataset=_jsonl(tmp_path / "x.jsonl", ["x" * 100] * 100), weight=wx),
+        SourceConfig(name="y", dataset=_jsonl(tmp_path / "y.jsonl", ["y" * 100] * 100), weight=wy)])
     texts = list(prepare.tokenizer_texts(cfg))
-    assert sum(len(t) for t in texts if t[0] == "x") == 2300 and sum(len(t) for t in texts if t[0] == "y") == 800
+    assert sum(len(t) for t in texts if t[0] == "x") == want_x and sum(len(t) for t in texts if t[0] == "y") == want_y
 
 
 def test_special_token_strings_in_text_are_plain_text(tmp_path):
@@ -474,20 +480,13 @@ def test_weights_whose_sum_overflows_are_refused_with_the_field(tmp_path, tables
     assert str(e.value).startswith(msg) and "\n" not in str(e.value)
 
 
-def test_huge_finite_weights_give_the_shares_of_their_ratios(tmp_path):
-    # 1e308 + 1e307 is finite, but a budget of chars * 1e308 / total overflows before the division.
+def test_huge_finite_weights_give_the_shares_of_their_ratios():
     assert mixture.weight_shares([1e308, 1e307]) == pytest.approx([10 / 11, 1 / 11], rel=1e-15)
     assert mixture.weight_shares([3.0, 0.0, 1.0]) == [0.75, 0.0, 0.25]
-    cfg = DataConfig(tokenizer_train_chars=1100, sources=[
-        SourceConfig(name="x", dataset=_jsonl(tmp_path / "x.jsonl", ["x" * 100] * 100), weight=1e308),
-        SourceConfig(name="y", dataset=_jsonl(tmp_path / "y.jsonl", ["y" * 100] * 100), weight=1e307)])
-    texts = list(prepare.tokenizer_texts(cfg))
-    assert sum(len(t) for t in texts if t[0] == "x") == 1000 and sum(len(t) for t in texts if t[0] == "y") == 100
 
 
 def test_evaluate_reuses_the_run_corpus_exactly_when_prepare_would(tmp_path):
     """evaluate's choice of the run's own corpus agrees with prepare's reuse of a data directory, field by field."""
-    import evaluate
 
     tokenizer.train_tokenizer(_texts("t", 20), 300, 10 ** 6).save(str(tmp_path / "tok.json"))
     tok = str(tmp_path / "tok.json")
