@@ -283,11 +283,11 @@ def train(s: Session) -> int:
     """
     cfg, rank, device, dp, mesh = s.cfg, s.rank, s.device, s.dp, s.mesh
     data_parallel = dp_mesh(mesh)  # looked up once, not at every logged step
-    loader, train_state, ckpt = s.loader, s.train_state, s.ckpt
+    loader, train_state, ckpt, run_dir = s.loader, s.train_state, s.ckpt, RunDir(cfg.run_dir)
     if rank == 0:
-        cli.write_resolved(cfg, RunDir(cfg.run_dir).config)
+        cli.write_resolved(cfg, run_dir.config)
         with contextlib.suppress(FileNotFoundError):  # a record of an earlier run must not speak for this one
-            os.remove(RunDir(cfg.run_dir).exit_record)
+            os.remove(run_dir.exit_record)
 
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
@@ -330,8 +330,8 @@ def train(s: Session) -> int:
             grad_norm = result.grad_norm.item()
             tps = (train_state.tokens_seen - tokens_last) / (time.perf_counter() - t_last)
             record = {"step": step, "loss": result.global_loss(data_parallel.get_group()), "lr": result.lr,
-                      "grad_norm": grad_norm,
-                      "tokens_per_sec": tps, "mfu": tps * fpt / peak_total, "tokens_seen": train_state.tokens_seen,
+                      "grad_norm": grad_norm, "tokens_per_sec": tps, "mfu": tps * fpt / peak_total,
+                      "tokens_seen": train_state.tokens_seen,
                       "epoch": loader.epoch, "peak_mem_gib": peak_memory_gib(device), **loader.source_tokens()}
             if not math.isfinite(grad_norm):
                 record["skipped"] = True
@@ -360,7 +360,7 @@ def train(s: Session) -> int:
     log.close()
     if rank == 0:
         step, total = train_state.step, cfg.train.steps
-        write_exit_record(RunDir(cfg.run_dir).exit_record, stopped_by, step, total)
+        write_exit_record(run_dir.exit_record, stopped_by, step, total)
         if stopped_by:
             verb = "interrupted" if stopped_by == signal.SIGINT else "stopped"
             print(f"[train] {signal.Signals(stopped_by).name}: saved step {step} in {ckpt.root}; {verb} at step "
