@@ -23,7 +23,7 @@ from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, rea
 from data import DataConfig
 from distributed import local_world_size, resolve_device
 from errors import ConfigError, SetupError
-from metrics import MetricsConfig
+from metrics import MetricsConfig, check_metrics
 from model import PRESETS, ModelArgs
 from optim import OptimConfig
 from parallelize import ParallelConfig, check_layout
@@ -62,7 +62,7 @@ class TrainConfig:
     profile_steps: str = ""
     """Profile these 1-based steps on rank 0, e.g. '10-12': a Chrome/Perfetto trace (and on CUDA a memory snapshot) in RUN_DIR/profile/ (empty: off)."""
     loss_chunk_size: int = 0
-    """Tokens per chunk of the output projection + cross-entropy, recomputed in backward, so the full (tokens x vocab) logits never exist (0: off). Not applied with parallel.tp > 1, where the logits are already split over the vocabulary (loss_parallel)."""
+    """Tokens per chunk of the output projection + cross-entropy, each chunk's gradients computed in its forward (nothing recomputed), so the full (tokens x vocab) logits never exist (0: off). Not applied with parallel.tp > 1, where the logits are already split over the vocabulary (loss_parallel)."""
     collective_timeout_s: float = 300.0
     """Seconds a collective of the training loop waits for a peer rank from step 2 on; then this rank stops with one line naming the step (a hung or lost peer). Start-up and step 1 (compilation) wait up to 30 minutes, data preparation up to 24 hours."""
 
@@ -162,7 +162,8 @@ def validate(cfg: Config, world_size: int) -> None:
     ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
     source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
-    unwritable run directory.
+    unwritable run directory; a MissingPackageError for metrics.tensorboard without the
+    tensorboard package.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
@@ -180,6 +181,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if device.type == "cuda" and local_world_size() > torch.cuda.device_count():
         raise SetupError(f"{local_world_size()} processes on this node (LOCAL_WORLD_SIZE) but {torch.cuda.device_count()} "
                          f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")
+    check_metrics(cfg.metrics)
     check_source(d)
     if d.tokenizer:
         check_tokenizer(d.tokenizer, cfg.model)

@@ -7,10 +7,12 @@ Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import time
+import types
 
 
 class UserError(Exception):
@@ -31,6 +33,28 @@ class TrainingError(UserError):
 
 class PeerError(TrainingError):
     """A peer rank stopped answering or died; raised only on the ranks that saw it, so each reports it."""
+
+
+class MissingPackageError(UserError):
+    """An optional package is not installed; the message names what needs it and the extra that installs it."""
+
+
+def require(module: str, extra: str | None, what: str, alternative: str = "") -> types.ModuleType:
+    """Import module and return it, or raise MissingPackageError naming what needs it and the fix.
+
+    The one check of every optional package (pyproject.toml's optional-dependencies), called
+    where a command or config asks for it, before any collective or expensive work. extra:
+    the project's extra that installs it (the fix is then pip install -e ".[extra]"), or None
+    for a package outside the extras (pip install module). alternative: another fix, e.g.
+    "set metrics.tensorboard = false". A module that is present but fails to import (a broken
+    install) is refused the same way.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        fix = f'pip install -e ".[{extra}]"' if extra else f"pip install {module}"
+        raise MissingPackageError(f"{what} needs the Python package '{module}', which is not installed: {fix}"
+                                  + (f"; or {alternative}" if alternative else "")) from None
 
 
 def report(e: UserError) -> None:

@@ -35,7 +35,7 @@ from torch import Tensor
 from checkpoint import read_model_weights
 from cli import ArgumentParser
 from config import load_run
-from errors import UserError, one_line, report
+from errors import UserError, one_line, report, require
 from model import ModelArgs, Transformer
 from tokenizer import EOT, load_tokenizer
 
@@ -179,8 +179,10 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
     Tensors are cast to dtype (float32 or bfloat16) and sharded above max_shard_size bytes.
     The folder is written beside out_dir and renamed into place, so a crash leaves no
     half folder. Raises HFError if out_dir holds files, state has another shape than args,
-    or the tokenizer lacks [EOT] or does not fit args.vocab_size.
+    or the tokenizer lacks [EOT] or does not fit args.vocab_size; MissingPackageError
+    without safetensors (the hf extra).
     """
+    require("safetensors", "hf", "writing a Hugging Face folder")
     from safetensors.torch import save_file
 
     check_out(out_dir)
@@ -268,9 +270,11 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
                       max_shard_size: int = 5 * 10**9) -> str:
     """Export a run's checkpoint (newest complete one unless given) to out_dir; returns the checkpoint used.
 
-    Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf).
+    Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf),
+    MissingPackageError without safetensors (the hf extra).
     """
-    check_out(out_dir)  # before reading a large checkpoint
+    require("safetensors", "hf", "hf.py export")  # before reading a large checkpoint
+    check_out(out_dir)
     cfg, path, tokenizer = load_run(run_dir, checkpoint)
     with torch.device("meta"):
         shapes = Transformer(cfg.model).state_dict()
@@ -286,8 +290,9 @@ def read_hf_folder(folder: str) -> tuple[ModelArgs, dict[str, str]]:
     """(ModelArgs, {HF tensor name: safetensors file}) of a Hugging Face Llama folder.
 
     Raises HFError if folder is missing, has no config.json, is not a supported Llama, or
-    has no safetensors weights.
+    has no safetensors weights; MissingPackageError without safetensors (the hf extra).
     """
+    require("safetensors", "hf", "reading a Hugging Face folder")
     if not os.path.isdir(folder):
         raise HFError(f"'{folder}' is not a directory; give a Hugging Face Llama model folder")
     cfg_path = os.path.join(folder, "config.json")
@@ -323,7 +328,8 @@ def _read_json(path: str) -> dict:
 
 def _open_safetensors(path: str):
     """safe_open(path) for reading tensors; HFError for a missing, truncated or corrupt file."""
-    from safetensors import SafetensorError, safe_open
+    safetensors = require("safetensors", "hf", "reading a Hugging Face folder")
+    SafetensorError, safe_open = safetensors.SafetensorError, safetensors.safe_open
 
     try:
         return safe_open(path, "pt")

@@ -6,41 +6,63 @@ import json
 import os
 import resource
 import time
+from typing import Callable
 
 import torch
 
-from errors import ConfigError
+from errors import require
 from rundir import RunDir
 
 
 @dataclasses.dataclass
 class MetricsConfig:
     tensorboard: bool = False
-    """Also write every metric to RUN_DIR/tensorboard/ (torch.utils.tensorboard; needs the tensorboard package: pip install tensorboard)."""
+    """Also write every metric to RUN_DIR/tensorboard/ (torch.utils.tensorboard; needs the tensorboard extra: pip install -e ".[tensorboard]")."""
+
+
+def check_metrics(cfg: MetricsConfig) -> None:
+    """Raise MissingPackageError when cfg asks for TensorBoard and the tensorboard package is missing."""
+    if cfg.tensorboard:
+        require("tensorboard", "tensorboard", "metrics.tensorboard = true", "set it to false")
+
 
 # Dense bf16 peak per device, TFLOP/s, from the vendors' data sheets (SXM, without sparsity).
 GPU_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 
 
-def measured_cpu_peak_flops(n: int = 2048, seconds: float = 0.3) -> float:
-    """Dense fp32 matmul rate of this process, FLOP/s: the CPU's MFU denominator.
+def measured_cpu_peak_flops(n: int = 2048, seconds: float = 1.0, min_timings: int = 5,
+                            clock: Callable[[], float] = time.perf_counter,
+                            cpu_clock: Callable[[], float] = time.process_time) -> float:
+    """An estimate of this process's dense fp32 matmul peak, FLOP/s: the CPU's MFU denominator.
 
-    Times repeated n x n x n fp32 matmuls (2 n^3 FLOPs each) with the process's current
-    torch thread count for about `seconds` (at least one timed matmul after a warm-up one), and
-    returns the best rate seen. n: matrix size (2048, as in the benchmark).
+    Measured, not a data-sheet figure: one untimed n x n x n fp32 matmul (thread pool start,
+    page faults), then timed ones (2 n^3 FLOPs each) with the process's current torch thread
+    count T, at least min_timings of them and for at least `seconds`. A timing's rate is
+    2 n^3 over the shorter of its wall time (clock) and its CPU time (cpu_clock) / T: time
+    the threads spent descheduled by other jobs does not count, so a busy machine does not
+    make the peak low (a single wall-clock timing taken while the cores were shared made the
+    MFU read above 100%). Returns the fastest rate. It is the peak of this GEMM with T
+    threads, not the CPU's theoretical peak (cores x clock x FLOPs per cycle), which is
+    higher; on a shared machine MFU then reads low rather than above 1. n: matrix size
+    (2048, as in the benchmark).
     """
+    threads = torch.get_num_threads()
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while best == 0.0 or time.perf_counter() < t_end:
-        t0 = time.perf_counter()
+    timings, start = [], clock()
+    now = start
+    while len(timings) < min_timings or now - start < seconds:
+        t0, c0 = clock(), cpu_clock()
         a @ b
-        best = max(best, 2 * n ** 3 / (time.perf_counter() - t0))
-    return best
+        now, c1 = clock(), cpu_clock()
+        timings.append(min(now - t0, (c1 - c0) / threads))
+    return 2 * n ** 3 / min(timings)
 
 
 def device_peak_flops(device: torch.device) -> float:
     """Peak FLOP/s of one device: bf16 data-sheet peak on a known GPU, measured fp32 GEMM on CPU.
+
+    On CPU this takes about a second (measured_cpu_peak_flops' estimate, the best of several timings).
 
     An unknown GPU falls back to the H100 figure; the name is what torch reports.
     """
@@ -66,8 +88,9 @@ class MetricsLog:
     resume_step: the step the run continues from. Records of later steps, left by a run
     that went on past its last checkpoint, are dropped first (atomically), so the file
     holds one train record per logged step after any number of resumes; TensorBoard's
-    events of those steps are purged the same way (purge_step). Raises ConfigError when
-    tensorboard is asked for but the package is missing.
+    events of those steps are purged the same way (purge_step). Raises MissingPackageError
+    when tensorboard is asked for but the package is missing (found before training by
+    check_metrics, through config.validate).
     """
 
     def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0, tensorboard: bool = False):
@@ -78,11 +101,8 @@ class MetricsLog:
             return
         self._drop_after(resume_step)
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ConfigError("metrics.tensorboard needs the tensorboard package: pip install tensorboard "
-                                  "(or the project's [tensorboard] extra), or set it to false") from e
+            check_metrics(MetricsConfig(tensorboard=True))
+            from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(RunDir(run_dir).tensorboard, purge_step=resume_step + 1)
 
     def _drop_after(self, step: int) -> None:

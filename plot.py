@@ -14,11 +14,10 @@ import os
 import sys
 
 from cli import ArgumentParser, number
-from errors import UserError
+from errors import UserError, require
 from rundir import RunDir
 
 TRAIN_KEYS = ("loss", "lr", "tokens_per_sec", "mfu", "tokens_seen")
-MATPLOTLIB_MISSING = "plot.py needs matplotlib: pip install matplotlib (or the project's [plot] extra)"
 
 
 class PlotError(UserError):
@@ -104,9 +103,10 @@ def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int =
     """Write the 2x2 figure of runs [(label, train records, val records)] to out (format from its suffix).
 
     smooth > 1: the train loss is a running mean over that many records, the raw loss faint behind.
-    Raises ImportError without matplotlib, OSError/ValueError if out cannot be written.
+    Raises MissingPackageError without matplotlib (the plot extra), OSError/ValueError if out
+    cannot be written.
     """
-    import matplotlib
+    matplotlib = require("matplotlib", "plot", "plot.py")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
@@ -167,12 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.run_dirs:
         p.error("no run directories given: pass one or more RUN_DIRs holding metrics.jsonl")
     try:
+        require("matplotlib", "plot", "plot.py")
         runs = [(label, *read_metrics(RunDir(d).metrics))
                 for label, d in zip(run_labels(a.run_dirs), a.run_dirs)]
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise PlotError(MATPLOTLIB_MISSING) from None
         try:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             draw(runs, a.out, a.smooth)

@@ -14,7 +14,6 @@ import codecs
 import functools
 import glob
 import gzip
-import importlib.util
 import io
 import itertools
 import json
@@ -24,6 +23,7 @@ import sysconfig
 from typing import BinaryIO, Callable, Iterator
 
 from data import DataConfig, DataError, SourceConfig
+from errors import require
 
 
 def stdlib_files() -> list[str]:
@@ -74,8 +74,8 @@ def _read_text(path: str, errors: str) -> str:
 def check_source(cfg: DataConfig) -> None:
     """The cheap check of every source of cfg that needs no reading of documents (run on every rank, early).
 
-    Raises DataError for a local path or glob that matches nothing, or compressed files whose
-    module is not installed. Hub ids are checked when first read.
+    Raises DataError for a local path or glob that matches nothing, MissingPackageError for
+    compressed files whose module is not installed. Hub ids are checked when first read.
     """
     for src in cfg.source_list():
         if src.dataset != "stdlib" and _looks_local(src.dataset):
@@ -85,9 +85,8 @@ def check_source(cfg: DataConfig) -> None:
 def _check_compression(src: SourceConfig, files: list[str]) -> None:
     for f in files:
         module = COMPRESSED.get(_kind(f)[1])
-        if module is not None and importlib.util.find_spec(module) is None:
-            raise DataError(f"{src.field('dataset')}: '{f}' is {module}-compressed and the Python package "
-                            f"'{module}' is not installed; pip install {module}, or decompress the file")
+        if module is not None:
+            require(module, None, f"{src.field('dataset')}: '{f}' ({module}-compressed)", "decompress the file")
 
 
 def _looks_local(spec: str) -> bool:

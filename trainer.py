@@ -407,6 +407,8 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
     if check_layout is not None:
         check_layout(cfg, world_size)
     if cfg.init_from_hf:
+        from errors import require
+        require("safetensors", "hf", "--init_from_hf")
         try:
             hf.check_args(cfg.init_from_hf, cfg.model)
             cfg.data.tokenizer = cfg.data.tokenizer or hf.tokenizer_path(cfg.init_from_hf)

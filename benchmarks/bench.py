@@ -15,8 +15,11 @@ Every variant (ours, --variant NAME=ARGS, --hf) is built in the same process, wa
 timed in turns (round-robin, one step each), so load from other jobs hits them alike. Each
 round also times a 2048^3 fp32 GEMM; the best round is the CPU's peak, the MFU denominator. The
 batches are synthetic random tokens: the data pipeline is timed on its own (--loader_seconds).
-A variant with '--src DIR' runs DIR's model.py (e.g. a copy from before a change), parallelized
-and stepped by this checkout's code, so the table compares the two models alone.
+--forward_only also times each variant's validation pass (validation.loss_sum_and_count, under
+no_grad, on the same batches) in the same turns: the cost of validation and evaluate.py, e.g.
+the chunked loss against full logits. A variant with '--src DIR' runs DIR's model.py (e.g. a
+copy from before a change), parallelized and stepped by this checkout's code, so the table
+compares the two models alone.
 Prints a table and writes every figure as JSON (--json).
 """
 from __future__ import annotations
@@ -47,6 +50,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import config as config_lib  # noqa: E402
 import data as data_lib  # noqa: E402
 import distributed  # noqa: E402
+import errors  # noqa: E402
 import loader as loader_lib  # noqa: E402
 import metrics  # noqa: E402
 import model as model_lib  # noqa: E402
@@ -54,6 +58,7 @@ import optim  # noqa: E402
 import parallelize  # noqa: E402
 import prepare  # noqa: E402
 import trainer  # noqa: E402
+import validation  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -70,6 +75,8 @@ def parse_args(argv):
                         "'--src DIR' (model.py from DIR, e.g. a copy from before a change, with this "
                         "checkout's parallelization and step)")
     p.add_argument("--loader_seconds", type=float, default=1.0, help="time loader.GlobalBatchLoader this long (0: skip)")
+    p.add_argument("--forward_only", action="store_true",
+                   help="also time each variant's validation pass (forward only, no_grad) on the step's batches")
     p.add_argument("--profile", type=int, default=0, help="print the N ops with most self CPU time, per variant")
     p.add_argument("--layouts", default="", help="driver: comma list of RANKSxTHREADS, e.g. 1x2,2x1")
     p.add_argument("--rounds", type=int, default=1, help="driver: launches per layout, alternating")
@@ -121,13 +128,19 @@ class OursStep:
     def step(self, micro_batches, after_backward=None):
         trainer.train_step(self.trainable, micro_batches, after_backward)
 
+    def forward_only(self, micro_batches):
+        vs = validation.ValSet("bench", micro_batches, 0, len(micro_batches))
+        validation.loss_sum_and_count(self.model, vs, self.device, self.trainable.mesh,
+                                      parallelize.dp_mesh(self.trainable.mesh).get_group(),
+                                      self.cfg.train.loss_chunk_size)
+
 
 class HFStep(OursStep):
     """transformers' LlamaForCausalLM (sdpa attention, random init, same shape and dtype): forward,
     fp32 summed token loss / target count, backward, then the same clipping and AdamW as ours."""
 
     def __init__(self, name, cfg, mesh, device):
-        import transformers
+        transformers = errors.require("transformers", "hf", "bench.py --hf")
 
         self.name, self.cfg, self.device = name, cfg, device
         dtype = torch.bfloat16 if config_lib.compute_dtype(cfg.train, device) == "bfloat16" else torch.float32
@@ -154,6 +167,12 @@ class HFStep(OursStep):
             after_backward(self.model)
         trainer.optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
         self.scheduler.step()
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches):
+        for inputs, labels in micro_batches:
+            logits = self.model(input_ids=inputs.to(self.device)).logits
+            F.cross_entropy(logits.float().flatten(0, 1), labels.to(self.device).flatten(), reduction="sum").item()
 
 
 def synthetic_batches(cfg, dp: int, n: int, seed: int = 0):
@@ -214,9 +233,12 @@ def loader_rate(cfg, dp_rank: int, dp: int, seconds: float) -> float:
 def set_vs_ours(res: dict) -> None:
     """vs_ours of each variant: median over rounds of ours' step time / its step time in the same
     round (paired, so load that comes and goes cancels out); > 1 means faster than ours."""
-    ours = res["variants"]["ours"]["step_s_all"]
+    ours = res["variants"]["ours"]
     for v in res["variants"].values():
-        v["vs_ours"] = statistics.median(a / b for a, b in zip(ours, v["step_s_all"]))
+        v["vs_ours"] = statistics.median(a / b for a, b in zip(ours["step_s_all"], v["step_s_all"]))
+        if "forward_only_s_all" in v:
+            v["forward_only_vs_ours"] = statistics.median(
+                a / b for a, b in zip(ours["forward_only_s_all"], v["forward_only_s_all"]))
 
 
 def stats(xs) -> dict:
@@ -226,7 +248,8 @@ def stats(xs) -> dict:
 
 def peak_flops(device, n: int = 2048) -> float:
     """FLOP/s of one device: a fresh n^3 fp32 GEMM timing on CPU, the data-sheet bf16 peak on CUDA."""
-    return metrics.measured_cpu_peak_flops(n, seconds=0.0) if device.type == "cpu" else metrics.device_peak_flops(device)
+    return metrics.measured_cpu_peak_flops(n, seconds=0.0, min_timings=1) if device.type == "cpu" \
+        else metrics.device_peak_flops(device)
 
 
 def run_worker(args, rest) -> dict:
@@ -266,6 +289,7 @@ def run_worker(args, rest) -> dict:
             first_step_s.setdefault(v.name, time.perf_counter() - t0)
     times = {v.name: [] for v in variants}
     cpu = {v.name: [] for v in variants}
+    fwd = {v.name: [] for v in variants}
     peaks = []
     for r, i in enumerate(range(args.warmup, args.warmup + args.steps)):
         peaks.append(peak_flops(device))
@@ -276,9 +300,17 @@ def run_worker(args, rest) -> dict:
             sync()
             times[v.name].append(time.perf_counter() - t0)
             cpu[v.name].append(time.process_time() - c0)
+            if args.forward_only:
+                dist.barrier()
+                t0 = time.perf_counter()
+                v.forward_only(batches[i])
+                sync()
+                fwd[v.name].append(time.perf_counter() - t0)
     # The step of a run lasts as long as its slowest rank; the run's peak is the sum of its ranks'.
     t = torch.tensor([times[v.name] for v in variants], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    fo = torch.tensor([fwd[v.name] for v in variants], dtype=torch.float64)
+    dist.all_reduce(fo, op=dist.ReduceOp.MAX)
     c = torch.tensor([cpu[v.name] for v in variants], dtype=torch.float64)
     dist.all_reduce(c)
     c /= t * torch.get_num_threads() * world  # share of the wall time the run's threads were on a core
@@ -304,6 +336,8 @@ def run_worker(args, rest) -> dict:
             "cpu_busy": stats(c[j].tolist()),
             "first_step_s": first_step_s.get(v.name), "mem_mib_per_rank": mem[v.name],
             "step_s_all": t[j].tolist()}
+        if args.forward_only:
+            res["variants"][v.name].update(forward_only_s=stats(fo[j].tolist()), forward_only_s_all=fo[j].tolist())
     set_vs_ours(res)
     base = res["variants"]["ours"]["tokens_per_sec"]["median"]
     if args.loader_seconds > 0:
@@ -336,6 +370,10 @@ def print_table(res: dict, label: str = "") -> None:
         print(f"{name:<20}{fmt_stats(r['tokens_per_sec']):>28}{fmt_stats(r['mfu'], 1, '.3f'):>22}"
               f"{r['vs_ours']:>8.2f}x{r['cpu_busy']['median']:>9.2f}"
               f"{m['params_mib']:>12.1f}/{m['grads_mib']:.1f}/{m['optim_mib']:.1f}{m['step_peak_mib']:>15.0f}")
+    for name, r in res["variants"].items():
+        if "forward_only_s" in r:
+            print(f"forward only (validation pass) {name}: {fmt_stats(r['forward_only_s'], 1e3)} ms, "
+                  f"{r['forward_only_vs_ours']:.2f}x ours' speed (paired)")
     if "loader" in res:
         ld = res["loader"]
         print(f"loader: {ld['tokens_per_sec_per_rank']:,.0f} tokens/s per rank delivered vs "
@@ -347,7 +385,8 @@ def drive(args, rest) -> dict:
     """Launch torchrun once per layout and round, alternating; pool each layout's timed steps."""
     layouts = [tuple(int(x) for x in lay.split("x")) for lay in args.layouts.split(",")]
     fwd = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--loader_seconds", str(args.loader_seconds),
-           "--profile", str(args.profile)] + (["--hf"] if args.hf else [])
+           "--profile", str(args.profile)] + (["--hf"] if args.hf else []) + \
+        (["--forward_only"] if args.forward_only else [])
     for spec in args.variant:
         fwd += ["--variant", spec]
     runs: dict[tuple, list[dict]] = {lay: [] for lay in layouts}
@@ -374,6 +413,9 @@ def drive(args, rest) -> dict:
         for name, v in res["variants"].items():
             v["step_s_all"] = [s for x in rs for s in x["variants"][name]["step_s_all"]]
             v["step_s"] = stats(v["step_s_all"])
+            if "forward_only_s_all" in v:
+                v["forward_only_s_all"] = [s for x in rs for s in x["variants"][name]["forward_only_s_all"]]
+                v["forward_only_s"] = stats(v["forward_only_s_all"])
             tps = [res["tokens_per_step"] / s for s in v["step_s_all"]]
             v["tokens_per_sec"] = stats(tps)
             v["mfu"] = stats([x * res["flops_per_token"] / (res["peak_tflops"]["max"] * 1e12) for x in tps])
@@ -401,6 +443,11 @@ def drive(args, rest) -> dict:
 def main(argv=None) -> int:
     """Worker (plain python or under torchrun) or, with --layouts, the driver; returns the exit status."""
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.hf:
+        try:
+            errors.require("transformers", "hf", "bench.py --hf")
+        except errors.UserError as e:
+            raise SystemExit(f"error: {e}") from None
     rest = ["--run_dir", os.path.join(ROOT, "runs", "bench")] + rest  # a later --run_dir wins
     if args.layouts:
         res = drive(args, rest)

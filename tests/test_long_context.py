@@ -88,7 +88,9 @@ class _MatmulShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
+        # aten.matmul reaches the mode undecomposed under inference_mode.
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                    torch.ops.aten.addmm_.default, torch.ops.aten.matmul.default, torch.ops.aten.matmul.out):
             self.shapes.append(tuple(out.shape))
         return out
 
@@ -102,6 +104,31 @@ def test_chunked_loss_never_holds_more_than_one_chunk_of_logits_and_recomputes_n
     logits = [s for s in mode.shapes if s[1] == 50]
     assert logits == [(16, 50), (16, 50), (8, 50)]  # one per chunk, never (40, 50), none recomputed
     assert mode.shapes.count((50, 16)) == 3  # the weight's gradient, accumulated chunk by chunk
+
+
+@pytest.mark.parametrize("no_autograd", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_chunked_loss_without_autograd_runs_forward_only(no_autograd):
+    hidden = torch.randn(40, 16, requires_grad=True)  # as in training: the output weight is a parameter
+    weight = torch.randn(50, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (40,))
+    with no_autograd(), _MatmulShapes() as mode:
+        got = chunked_cross_entropy_sum(hidden, weight, labels, 16)
+    # One logits matmul per chunk and nothing else: no (50, 16) weight gradient, no (chunk, 16) hidden gradient.
+    assert mode.shapes == [(16, 50), (16, 50), (8, 50)]
+    assert got.grad_fn is None and got.dtype == torch.float32
+    ref = torch.nn.functional.cross_entropy(hidden.detach().double() @ weight.detach().double().t(), labels,
+                                            reduction="sum")
+    assert abs(got.item() - ref.item()) <= 1e-6 * ref.item()
+
+
+def test_chunked_validation_loss_equals_the_full_logits_loss():
+    model = random_model(ModelArgs(**ARGS)).eval()
+    tokens = torch.randint(0, 97, (3, 33), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = token_loss_sum(model, tokens[:, :-1], tokens[:, 1:])
+        for chunk in (1, 7, 64, 1000):
+            got = token_loss_sum(model, tokens[:, :-1], tokens[:, 1:], chunk_size=chunk)
+            assert abs(got.item() - full.item()) <= 1e-6 * full.item(), chunk
 
 
 def test_a_tokenizer_whose_eot_is_elsewhere_is_refused_with_the_fix(tmp_path):

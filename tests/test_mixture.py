@@ -30,7 +30,7 @@ from checkpoint import AppState
 from cli import to_toml
 from config import parse_config
 from data import DataConfig, DataError, PackedCorpus, SourceConfig, StageConfig
-from errors import ConfigError
+from errors import ConfigError, MissingPackageError
 from launch import (
     DEBUG,
     ROOT,
@@ -273,7 +273,9 @@ def test_compressed_inputs_and_txt_document_splitting(tmp_path):
     (tmp_path / "d.jsonl.zst").write_bytes(b"")
     zst = DataConfig(dataset=str(tmp_path / "d.jsonl.zst"))
     if importlib.util.find_spec("zstandard") is None:
-        with pytest.raises(DataError, match="'zstandard' is not installed; pip install zstandard"):
+        with pytest.raises(MissingPackageError, match=r"data.dataset: '.*d\.jsonl\.zst' \(zstandard-compressed\) needs "
+                           r"the Python package 'zstandard', which is not installed: pip install zstandard; or "
+                           r"decompress the file$"):
             sources.check_source(zst)
     else:
         sources.check_source(zst)

@@ -81,4 +81,5 @@ def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     import sys
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     line = refused(plot.main, [str(_write_run(tmp_path / "a")), "--out", str(tmp_path / "c.png")], capsys)
-    assert line == f"error: {plot.MATPLOTLIB_MISSING}"
+    assert line == ("error: plot.py needs the Python package 'matplotlib', which is not installed: "
+                    "pip install -e \".[plot]\"")

@@ -1,0 +1,77 @@
+"""The optimizer's LR schedule against its closed form, and which parameters get weight decay.
+
+The references are written out here, not taken from optim.py: linear warmup (step + 1) / W
+to the peak, then cosine decay (Loshchilov & Hutter, SGDR, 2017) from lr to min_lr over the
+steps W..T; weight decay on the 2-D weight matrices, embeddings and output included, never
+on the RMSNorm gains (nanoGPT's rule; the Llama names of this model's parameters).
+"""
+import math
+
+import pytest
+
+from model import ModelArgs, Transformer
+from optim import OptimConfig, build_optimizer
+
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=16)
+LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110
+
+
+def lrs_by_step(cfg: OptimConfig, total_steps: int, n: int) -> list[list[float]]:
+    """Every param group's LR for the optimizer steps 0..n-1, stepped as the trainer does (step, then schedule)."""
+    optimizer, scheduler = build_optimizer(Transformer(ARGS), cfg, total_steps, fused=False)
+    seen = []
+    for _ in range(n):
+        seen.append([g["lr"] for g in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    return seen
+
+
+@pytest.fixture(scope="module")
+def lrs():
+    cfg = OptimConfig(lr=LR, min_lr_ratio=MIN_LR / LR, warmup_steps=WARMUP)
+    return lrs_by_step(cfg, TOTAL, TOTAL + 6)
+
+
+@pytest.mark.parametrize("step, want", [
+    (0, LR / WARMUP),                                            # the first update: lr / W, not 0
+    (4, LR * 5 / WARMUP),                                        # linear warmup: lr (step + 1) / W
+    (WARMUP - 1, LR),                                            # the last warmup step reaches the peak
+    (WARMUP, LR),                                                # the peak, where the cosine starts
+    (WARMUP + 25, MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi / 4)) / 2),  # a quarter of the decay
+    (WARMUP + 50, (LR + MIN_LR) / 2),                            # half-way: cos(pi/2) = 0
+    (TOTAL - 1, MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * 99 / 100)) / 2),
+    (TOTAL, MIN_LR),                                             # the end: min LR
+    (TOTAL + 5, MIN_LR),                                         # and it stays there
+])
+def test_lr_schedule_matches_the_closed_form(lrs, step, want):
+    assert lrs[step] == pytest.approx([want, want], rel=1e-12), step
+
+
+def test_lr_without_warmup_starts_at_the_peak_and_decays_to_zero():
+    seen = lrs_by_step(OptimConfig(lr=LR, min_lr_ratio=0.0, warmup_steps=0), 4, 5)
+    # min_lr 0: lr (1 + cos(pi step / 4)) / 2 at steps 0..4
+    assert [s[0] for s in seen] == pytest.approx([LR, LR * (1 + math.sqrt(0.5)) / 2, LR / 2,
+                                                  LR * (1 - math.sqrt(0.5)) / 2, 0.0], rel=1e-12, abs=1e-18)
+
+
+def test_weight_decay_is_on_exactly_the_weight_matrices_and_every_parameter_is_in_one_group():
+    model = Transformer(ARGS)
+    optimizer, _ = build_optimizer(model, OptimConfig(weight_decay=0.1), 100, fused=False)
+    decayed = [f"layers.{i}.{m}.weight" for i in range(ARGS.n_layers)
+               for m in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                         "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+    decayed += ["tok_embeddings.weight", "output.weight"]
+    not_decayed = [f"layers.{i}.{m}.weight" for i in range(ARGS.n_layers) for m in ("attention_norm", "ffn_norm")]
+    not_decayed += ["norm.weight"]
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(name_of.values()) == sorted(decayed + not_decayed)  # the list above names every parameter
+
+    by_decay = {}
+    for g in optimizer.param_groups:
+        by_decay.setdefault(g["weight_decay"], []).extend(name_of[id(p)] for p in g["params"])
+    assert set(by_decay) == {0.1, 0.0}
+    assert sorted(by_decay[0.1]) == sorted(decayed)
+    assert sorted(by_decay[0.0]) == sorted(not_decayed)
+    in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    assert len(in_groups) == len(set(in_groups)) == len(name_of)  # each parameter exactly once
