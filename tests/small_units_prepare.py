@@ -1,13 +1,13 @@
-"""prepare.py's command with sources.UNIT_BYTES set by --unit_bytes N (first), so a small file has many units."""
+"""prepare.py's command with filesplit.UNIT_BYTES set by --unit_bytes N (first), so a small file has many units."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import filesplit  # noqa: E402
 import prepare  # noqa: E402
-import sources  # noqa: E402
 
 if __name__ == "__main__":
     assert sys.argv[1] == "--unit_bytes", "usage: small_units_prepare.py --unit_bytes N prepare-arguments..."
-    sources.UNIT_BYTES = int(sys.argv[2])
+    filesplit.UNIT_BYTES = int(sys.argv[2])
     sys.exit(prepare.main(sys.argv[3:]))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import data
+import filesplit
 import prepare
 import sources
 import tokenizer
@@ -339,8 +340,8 @@ def _lines_text(n=500):
 
 
 def test_the_units_of_one_file_read_exactly_its_documents(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "UNIT_BYTES", 700)
-    monkeypatch.setattr(sources, "CHUNK_BYTES", 300)
+    monkeypatch.setattr(filesplit, "UNIT_BYTES", 700)
+    monkeypatch.setattr(filesplit, "CHUNK_BYTES", 300)
     rows = _mixed_rows()
     cases = {"jsonl": (_write_jsonl(tmp_path / "a.jsonl", rows), {}, ("json", {})),
              "parquet": (_write_parquet(tmp_path / "b.parquet", rows), {}, ("parquet", {}))}
@@ -399,7 +400,7 @@ def test_one_file_is_tokenized_by_every_rank_into_the_stream_of_its_one_unit_rea
     reference = io.BytesIO()  # what one unit read by datasets (the code before units per file) packs
     ref_docs = _datasets_documents({"jsonl": "json", "parquet": "parquet", "txt": "text"}[kind], path)
     prepare.tokenize_documents(ref_docs, tok, reference, "uint16")
-    monkeypatch.setattr(sources, "UNIT_BYTES", 1000)
+    monkeypatch.setattr(filesplit, "UNIT_BYTES", 1000)
     metas = _prepare_on_ranks(cfg, str(tmp_path / "three"), 3)
     assert not any(isinstance(m, Exception) for m in metas), metas
     assert metas[0]["sources"]["default"]["work_units"] > 3
