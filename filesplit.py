@@ -174,16 +174,16 @@ def _text_docs(cfg: SourceConfig, path: str, i: int, n: int) -> Iterator[str]:
                 yield carry
 
 
-def jsonl_units(cfg: SourceConfig, path: str, check_column: bool) -> list[Callable[[], Iterator[str]]]:
-    """Byte ranges of one uncompressed .jsonl file, cut between lines; check_column: the source's first file."""
+def jsonl_units(cfg: SourceConfig, path: str, first_file: bool) -> list[Callable[[], Iterator[str]]]:
+    """Byte ranges of one uncompressed .jsonl file, cut between lines; first_file: the source's first file."""
     n = max(1, -(-os.path.getsize(path) // UNIT_BYTES))
-    return [functools.partial(_jsonl_docs, cfg, path, i, n, check_column and i == 0) for i in range(n)]
+    return [functools.partial(_jsonl_docs, cfg, path, i, n, first_file and i == 0) for i in range(n)]
 
 
-def _jsonl_docs(cfg: SourceConfig, path: str, i: int, n: int, check_column: bool) -> Iterator[str]:
+def _jsonl_docs(cfg: SourceConfig, path: str, i: int, n: int, check_first: bool) -> Iterator[str]:
     """Texts of unit i of n of a .jsonl file (one JSON object per line; blank lines skipped).
 
-    check_column: the first row must hold the text column (as datasets' reader requires of
+    check_first: the first row must hold the text column (as datasets' reader requires of
     the source's first row); elsewhere a row without it is no document.
     """
     with open(path, "rb") as f:
@@ -203,9 +203,9 @@ def _jsonl_docs(cfg: SourceConfig, path: str, i: int, n: int, check_column: bool
                 if not isinstance(row, dict):
                     raise DataError(f"{cfg.field('dataset')}: '{path}' byte {at}: a JSON {type(row).__name__}, "
                                     f"not an object; give one object per line, text in {cfg.field('text_column')}")
-                if check_column:
+                if check_first:
                     check_column(cfg, row)
-                    check_column = False
+                    check_first = False
                 text = text_value(cfg, row.get(cfg.text_column))
                 if text:
                     yield text

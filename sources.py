@@ -133,7 +133,7 @@ def source_units(cfg: SourceConfig) -> list[Callable[[], Iterator[str]]]:
         if kind == "parquet" and not compressed:
             return [unit for f in files for unit in parquet_units(cfg, f)]
         if not compressed and all(file_kind(f)[0] == ".jsonl" and first_byte(cfg, f) == b"{" for f in files):
-            return [unit for i, f in enumerate(files) for unit in jsonl_units(cfg, f, check_column=i == 0)]
+            return [unit for i, f in enumerate(files) for unit in jsonl_units(cfg, f, first_file=i == 0)]
         args, kwargs = (kind,), dict(data_files=files, split="train")
     else:
         args, kwargs = (cfg.dataset, cfg.dataset_config or None), dict(split=cfg.split)
