@@ -20,23 +20,27 @@
 set -euo pipefail
 USAGE="usage: slurm_train.sh [--dry-run] SCRIPT CONFIG RUN_DIR [--section.field value ...]"
 DRY_RUN=0
+fail() { echo "error: $*" >&2; exit 2; }  # bad input: one line, status 2, nothing touched
 case "${1:-}" in
     -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; echo "$USAGE"; exit 0 ;;
     --dry-run) DRY_RUN=1; shift ;;
+    -*) fail "unknown option '$1'; $USAGE" ;;
 esac
-if [[ $# -lt 3 ]]; then
-    echo "$USAGE" >&2
-    exit 2
-fi
+[[ $# -ge 3 ]] || fail "$USAGE"
 SCRIPT=$1
 CONFIG=$2
 RUN_DIR=$3
 shift 3
+[[ -f $SCRIPT ]] || fail "SCRIPT '$SCRIPT' not found; give train_fsdp.py or train_2d.py (paths are from $(pwd))"
+[[ -f $CONFIG ]] || fail "CONFIG '$CONFIG' not found; give a TOML file such as configs/llama_125m.toml"
+for arg in "$@"; do
+    [[ $arg != --dry-run ]] || fail "--dry-run goes first: slurm_train.sh --dry-run SCRIPT CONFIG RUN_DIR ..."
+done
 # Outside an allocation (e.g. --dry-run on a laptop) set these yourself.
-: "${SLURM_NNODES:?not set: run under sbatch/salloc, or set SLURM_NNODES (and SLURM_JOB_ID, HEAD_NODE)}"
-: "${SLURM_JOB_ID:?not set: run under sbatch/salloc, or set SLURM_JOB_ID (any id shared by the nodes)}"
+[[ -n ${SLURM_NNODES:-} ]] || fail "SLURM_NNODES is not set: run under sbatch/salloc, or set SLURM_NNODES (and SLURM_JOB_ID, HEAD_NODE)"
+[[ -n ${SLURM_JOB_ID:-} ]] || fail "SLURM_JOB_ID is not set: run under sbatch/salloc, or set it (any id shared by the nodes)"
 if [[ -z "${HEAD_NODE:-}" ]]; then
-    : "${SLURM_JOB_NODELIST:?not set: run under sbatch/salloc, or set HEAD_NODE to the address of the first node}"
+    [[ -n ${SLURM_JOB_NODELIST:-} ]] || fail "SLURM_JOB_NODELIST is not set: run under sbatch/salloc, or set HEAD_NODE to the address of the first node"
     HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 fi
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}

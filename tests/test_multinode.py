@@ -22,7 +22,8 @@ def slurm_command(script: str, run_dir, *args: str, nodes: int = 2, nproc_per_no
     env = {**os.environ, "SLURM_NNODES": str(nodes), "SLURM_JOB_ID": "4242", "HEAD_NODE": "127.0.0.1",
            "RDZV_PORT": str(distributed.free_port()), "NPROC_PER_NODE": str(nproc_per_node)}
     out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_train.sh"), "--dry-run", script, DEBUG,
-                          str(run_dir), *args], capture_output=True, text=True, env=env, timeout=30, check=True)
+                          str(run_dir), *args], capture_output=True, text=True, env=env, timeout=30, check=True,
+                         cwd=ROOT)
     return shlex.split(out.stdout.strip().splitlines()[-1])
 
 
@@ -35,9 +36,25 @@ def test_the_slurm_script_builds_one_rendezvous_command_for_every_node(tmp_path)
     assert not any(a.startswith("--node_rank") for a in torchrun)  # the rendezvous numbers the nodes
     assert torchrun[-7:] == ["train_2d.py", "--config", DEBUG, "--run_dir", str(tmp_path / "my run"),
                              "--parallel.tp", "2"]
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_train.sh"), "--dry-run"],
-                          capture_output=True, text=True, timeout=30)
-    assert proc.returncode != 0 and "usage: slurm_train.sh" in proc.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dry-run"], "error: usage: slurm_train.sh"),
+    (["--dryrun", "train_fsdp.py", DEBUG, "RUN"], "error: unknown option '--dryrun'"),
+    (["train_fsdp.py", DEBUG, "RUN", "--dry-run"], "error: --dry-run goes first"),
+    (["train_fspd.py", DEBUG, "RUN"], "error: SCRIPT 'train_fspd.py' not found"),
+    (["train_fsdp.py", "nope.toml", "RUN"], "error: CONFIG 'nope.toml' not found"),
+], ids=["too_few", "unknown_option", "dry_run_late", "no_script", "no_config"])
+def test_bad_slurm_script_arguments_are_one_line_and_touch_nothing(tmp_path, args, message):
+    rd = tmp_path / "run"
+    rd.mkdir()
+    (rd / "exit.json").write_text('{"exit_status": 0}')
+    env = {**os.environ, "SLURM_NNODES": "1", "SLURM_JOB_ID": "7", "HEAD_NODE": "127.0.0.1"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "slurm_train.sh"),
+                           *[str(rd) if a == "RUN" else a for a in args]],
+                          capture_output=True, text=True, timeout=30, cwd=ROOT, env=env)
+    assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert (rd / "exit.json").read_text() == '{"exit_status": 0}' and not proc.stdout
 
 
 @pytest.mark.slow
