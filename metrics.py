@@ -30,7 +30,7 @@ def check_metrics(cfg: MetricsConfig) -> None:
 GPU_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "4090": 165.0}
 
 
-def measured_cpu_peak_flops(n: int = 2048, seconds: float = 1.0, min_timings: int = 5,
+def measured_cpu_peak_flops(n: int = 2048, seconds: float = 0.3, min_timings: int = 3,
                             clock: Callable[[], float] = time.perf_counter,
                             cpu_clock: Callable[[], float] = time.process_time) -> float:
     """An estimate of this process's dense fp32 matmul peak, FLOP/s: the CPU's MFU denominator.
@@ -62,7 +62,8 @@ def measured_cpu_peak_flops(n: int = 2048, seconds: float = 1.0, min_timings: in
 def device_peak_flops(device: torch.device) -> float:
     """Peak FLOP/s of one device: bf16 data-sheet peak on a known GPU, measured fp32 GEMM on CPU.
 
-    On CPU this takes about a second (measured_cpu_peak_flops' estimate, the best of several timings).
+    On CPU this takes four 2048^3 matmuls, a second or two (measured_cpu_peak_flops: the best of three timings,
+    each corrected for time descheduled, which is what keeps a busy machine from lowering the peak).
 
     An unknown GPU falls back to the H100 figure; the name is what torch reports.
     """
