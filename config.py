@@ -2,7 +2,8 @@
 
     [model] model.ModelArgs      [data] data.DataConfig        [train] TrainConfig (below)
     [optim] optim.OptimConfig    [parallel] parallelize.ParallelConfig
-    [checkpoint] checkpoint.CheckpointConfig
+    [checkpoint] checkpoint.CheckpointConfig  [metrics] metrics.MetricsConfig
+    [eval] downstream.EvalConfig (with [[eval.tasks]])
 
 A field is checked where it is defined (each section's ``__post_init__``, ``Literal``
 choices); ``validate`` keeps only what needs several sections, files or the world size.
@@ -22,6 +23,7 @@ import cli
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from data import DataConfig
 from distributed import local_world_size, resolve_device
+from downstream import EvalConfig, check_tasks
 from errors import ConfigError, SetupError
 from metrics import MetricsConfig, check_metrics
 from model import PRESETS, ModelArgs
@@ -104,6 +106,8 @@ class Config:
     """Checkpoint interval, retention, async saving, explicit resume path."""
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     """Where metrics go besides metrics.jsonl."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Downstream multiple-choice tasks scored as lm-evaluation-harness scores them, in the loop and by evaluate.py --tasks."""
     init_from_hf: str = ""
     """Hugging Face Llama folder whose weights replace the random init when the run has no checkpoint yet (continued pretraining); [model] must match its config.json, and data.tokenizer defaults to its tokenizer.json."""
 
@@ -162,8 +166,9 @@ def validate(cfg: Config, world_size: int) -> None:
     ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
     source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
-    unwritable run directory; a MissingPackageError for metrics.tensorboard without the
-    tensorboard package.
+    unwritable run directory, a local [[eval.tasks]] file that is unreadable or lacks its
+    columns or has a gold index out of range; a MissingPackageError for metrics.tensorboard
+    without the tensorboard package.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
@@ -183,6 +188,7 @@ def validate(cfg: Config, world_size: int) -> None:
                          f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")
     check_metrics(cfg.metrics)
     check_source(d)
+    check_tasks(cfg.eval)
     if d.tokenizer:
         check_tokenizer(d.tokenizer, cfg.model)
     elif d.tokenizer_vocab_size > cfg.model.vocab_size:
