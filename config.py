@@ -162,8 +162,8 @@ def validate(cfg: Config, world_size: int) -> None:
     ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
     source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
-    unwritable run directory; a MissingPackageError for metrics.tensorboard without the
-    tensorboard package.
+    unwritable run directory; a MissingPackageError for metrics.tensorboard or metrics.wandb
+    without its package.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
