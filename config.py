@@ -168,7 +168,7 @@ def validate(cfg: Config, world_size: int) -> None:
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
     unwritable run directory, a local [[eval.tasks]] file that is unreadable or lacks its
     columns or has a gold index out of range; a MissingPackageError for metrics.tensorboard
-    without the tensorboard package.
+    or metrics.wandb without its package.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())

@@ -298,7 +298,7 @@ def train(s: Session) -> int:
     peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
     dist.all_reduce(peak)  # the run's peak is the sum of its ranks' peaks
     peak_total = peak.item()
-    log = MetricsLog(cfg.run_dir, rank == 0, train_state.step, cfg.metrics.tensorboard)
+    log = MetricsLog(cfg.run_dir, rank == 0, train_state.step, cfg.metrics, dataclasses.asdict(cfg))
     val = val_batches(s.corpus, cfg.train.val_batches * cfg.train.global_batch_size, s.micro_batch_size,
                       data_parallel.get_local_rank(), dp)
     if rank == 0:
