@@ -211,13 +211,20 @@ def read_examples(task: TaskConfig, limit: int = 0) -> list[Example]:
         raise DataError(f"eval.tasks[{task.name}]: '{task.dataset}' has no rows")
     ready = READY.get(task.name)
     if ready and set(rows[0]) >= ready.columns:  # the hub schema, from the hub or a local copy
-        return [ready.example(row) for row in rows]
+        try:
+            return [ready.example(row) for row in rows]
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise DataError(f"eval.tasks[{task.name}]: a row of '{task.dataset or ready.dataset}' does not fit "
+                            f"the ready task's format ({type(e).__name__}: {e}); give its own columns and a "
+                            f"name that is not a ready task's") from None
+    fields = {"context_column": task.context_column, "choices_column": task.choices_column,
+              "gold_column": task.gold_column}
     out = []
     for i, row in enumerate(rows):
-        missing = [c for c in (task.context_column, task.choices_column, task.gold_column) if c not in row]
+        missing = [f for f, column in fields.items() if column not in row]
         if missing:
-            raise DataError(f"eval.tasks[{task.name}]: '{task.dataset}' has no column '{missing[0]}' (it has "
-                            f"{', '.join(sorted(row))}); set eval.tasks.{_column_field(task, missing[0])}")
+            raise DataError(f"eval.tasks[{task.name}]: '{task.dataset}' has no column '{fields[missing[0]]}' (it "
+                            f"has {', '.join(sorted(row))}); set eval.tasks.{missing[0]}")
         ctx, choices, gold = row[task.context_column], row[task.choices_column], row[task.gold_column]
         where = f"eval.tasks[{task.name}]: row {i + 1} of '{task.dataset}'"
         if not isinstance(ctx, str):
@@ -231,13 +238,6 @@ def read_examples(task: TaskConfig, limit: int = 0) -> list[Example]:
                             f"choices (0..{len(choices) - 1})")
         out.append(Example(ctx, list(choices), gold))
     return out
-
-
-def _column_field(task: TaskConfig, column: str) -> str:
-    for f in ("context_column", "choices_column", "gold_column"):
-        if getattr(task, f) == column:
-            return f
-    return "context_column"
 
 
 def check_tasks(cfg: EvalConfig) -> None:
@@ -284,7 +284,8 @@ def build_requests(examples: list[Example], tok, eot_id: int, max_len: int, deli
             head, cont = ids[:1], ids[1:]
         else:
             head, cont = [eot_id], ids
-        out.append(Request((head + cont)[-(max_len + 1):], len(cont)))
+        tokens = (head + cont)[-(max_len + 1):]
+        out.append(Request(tokens, min(len(cont), len(tokens) - 1)))  # a continuation longer than the model: its tail
     return out
 
 

@@ -20,7 +20,9 @@ import evaluate
 import tokenizer
 import train_fsdp
 from launch import DEBUG, ROOT, metrics, refused, torchrun
+from scripts.stdlib_tasks import write_tasks
 
+TASKS = ("stdlib_next", "stdlib_long")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -136,48 +138,17 @@ def test_ready_tasks_format_rows_as_the_harness_task_does(name, tmp_path):
 
 
 def _write_tasks(d) -> tuple[str, str]:
-    """Two tasks from standard-library docstrings, their jsonl files and a harness YAML for each in d/yaml.
+    """scripts/stdlib_tasks.py's two tasks in d, and configs/debug_eval.toml pointed at them: (config, YAML folder).
 
-    'mc': 4 choices of different lengths (acc and acc_norm differ), the default columns.
-    'long': 3 choices in other columns, some contexts ending in spaces and some longer than
-    model.max_seq_len (cut from the left).
+    stdlib_next: 4 choices of different lengths (acc and acc_norm differ), the default columns;
+    stdlib_long: 3 choices in other columns, some contexts ending in spaces and some longer
+    than model.max_seq_len (cut from the left).
     """
-    import sources  # the offline corpus the debug model is trained on
-
-    text = " ".join(" ".join(open(f, errors="replace").read().split()) for f in sources.stdlib_files()[:40])
-    words = text.split(" ")
-    mc, long = d / "mc.jsonl", d / "long.jsonl"
-    with open(mc, "w") as f:
-        for i in range(48):
-            at = 200 + i * 97
-            ctx = " ".join(words[at:at + 12])
-            choices = [" ".join(words[at + 12:at + 14 + i % 5])] + \
-                [" ".join(words[at + 500 * k:at + 500 * k + 1 + (i + k) % 6]) for k in (1, 2, 3)]
-            gold = i % 4
-            choices[0], choices[gold] = choices[gold], choices[0]
-            f.write(json.dumps({"context": ctx, "choices": choices, "gold": gold}) + "\n")
-    with open(long, "w") as f:
-        for i in range(18):
-            at = 9000 + i * 331
-            n = 900 if i % 3 == 0 else 20  # 900 words: more than the debug model's 512 tokens
-            ctx = " ".join(words[at:at + n]) + (" " if i % 2 else "")
-            choices = [" ".join(words[at + n:at + n + 3]), " ".join(words[at + 2000:at + 2006]), words[at + 4000]]
-            gold = i % 3
-            choices[0], choices[gold] = choices[gold], choices[0]
-            f.write(json.dumps({"question": ctx, "options": choices, "answer": gold}) + "\n")
-    yaml_dir = d / "yaml"
-    yaml_dir.mkdir()
-    for name, path, (c, k, g) in (("mc", mc, ("context", "choices", "gold")),
-                                  ("long", long, ("question", "options", "answer"))):
-        (yaml_dir / f"{name}.yaml").write_text(
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\n"
-            f"output_type: multiple_choice\ndoc_to_text: \"{{{{{c}}}}}\"\ndoc_to_choice: \"{{{{{k}}}}}\"\n"
-            f"doc_to_target: \"{{{{{g}}}}}\"\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    write_tasks(str(d))
     cfg = d / "eval.toml"
-    cfg.write_text(open(DEBUG).read() + f'\n[eval]\ninterval = 5\nlimit = 0\n\n[[eval.tasks]]\nname = "mc"\n'
-                   f'dataset = "{mc}"\n\n[[eval.tasks]]\nname = "long"\ndataset = "{long}"\n'
-                   f'context_column = "question"\nchoices_column = "options"\ngold_column = "answer"\n')
-    return str(cfg), str(yaml_dir)
+    cfg.write_text(open(os.path.join(ROOT, "configs", "debug_eval.toml")).read().replace("runs/tasks/", f"{d}/")
+                   .replace("interval = 50", "interval = 5"))
+    return str(cfg), str(d / "yaml")
 
 
 def _scores(records: list[dict], step: int) -> dict:
@@ -192,7 +163,7 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks(tmp_path, capsy
     torchrun(1, "train_fsdp.py", *run, "--run_dir", str(one))
     torchrun(2, "train_fsdp.py", *run, "--run_dir", str(two))
     ours = {step: _scores(metrics(one), step) for step in (5, 10)}
-    assert set(ours[10]) == {"eval/mc/acc", "eval/mc/acc_norm", "eval/long/acc", "eval/long/acc_norm"}, ours
+    assert set(ours[10]) == {f"eval/{t}/{m}" for t in TASKS for m in ("acc", "acc_norm")}, ours
     assert ours[5] and ours[5] != ours[10]
     assert {step: _scores(metrics(two), step) for step in (5, 10)} == ours
 
@@ -202,21 +173,21 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks(tmp_path, capsy
     out = tmp_path / "lm_eval"
     # From the checkout's root, where our evaluate.py lies on sys.path ahead of Hugging Face's evaluate.
     proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                           f"pretrained={export},dtype=float32", "--tasks", "mc,long", "--include_path", yaml_dir,
+                           f"pretrained={export},dtype=float32", "--tasks", ",".join(TASKS), "--include_path", yaml_dir,
                            "--device", "cpu", "--batch_size", "8", "--output_path", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **OFFLINE})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.load(open(sorted(str(p) for p in out.rglob("results*.json"))[-1]))["results"]
-    harness = {f"eval/{t}/{m}": results[t][f"{m},none"] for t in ("mc", "long") for m in ("acc", "acc_norm")}
-    assert harness["eval/mc/acc"] != harness["eval/mc/acc_norm"]  # the length normalisation is exercised
+    harness = {f"eval/{t}/{m}": results[t][f"{m},none"] for t in TASKS for m in ("acc", "acc_norm")}
+    assert harness["eval/stdlib_next/acc"] != harness["eval/stdlib_next/acc_norm"]  # length normalisation exercised
     assert ours[10] == harness
 
-    proc = torchrun(2, "evaluate.py", "--run_dir", str(one), "--tasks", "mc,long", "--eval.limit", "0")
+    proc = torchrun(2, "evaluate.py", "--run_dir", str(one), "--tasks", ",".join(TASKS), "--eval.limit", "0")
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {k: v for k, v in printed.items() if k in harness} == harness
-    assert printed["eval/mc/examples"] == 48 and printed["eval/long/examples"] == 18
-    line = refused(evaluate.main, ["--run_dir", str(one), "--tasks", "mc,nope"], capsys)
-    assert "--tasks: unknown task 'nope'; give one of the run's [[eval.tasks]] (mc, long), a ready task" in line
+    assert printed["eval/stdlib_next/examples"] == 48 and printed["eval/stdlib_long/examples"] == 18
+    line = refused(evaluate.main, ["--run_dir", str(one), "--tasks", "stdlib_next,nope"], capsys)
+    assert "unknown task 'nope'; give one of the run's [[eval.tasks]] (stdlib_next, stdlib_long), a ready" in line
 
 
 def _train_refused(tmp_path, monkeypatch, capsys, table: str) -> str:
