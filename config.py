@@ -186,7 +186,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if device.type == "cuda" and local_world_size() > torch.cuda.device_count():
         raise SetupError(f"{local_world_size()} processes on this node (LOCAL_WORLD_SIZE) but {torch.cuda.device_count()} "
                          f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")
-    check_metrics(cfg.metrics)
+    check_metrics(cfg.metrics, cfg.run_dir)
     check_source(d)
     check_tasks(cfg.eval)
     if d.tokenizer:

@@ -27,6 +27,7 @@ with one all-reduce, so a score does not depend on the world size or layout.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from typing import Callable
@@ -159,8 +160,31 @@ def _local_kind(path: str) -> str | None:
 
 
 def is_local(task: TaskConfig) -> bool:
-    """Whether the task reads a local file (checked before training) rather than the hub."""
-    return bool(task.dataset) and (_local_kind(task.dataset) is not None or os.path.exists(task.dataset))
+    """Whether the task reads a local path (checked before training) rather than a hub id.
+
+    A path that exists, has a file extension, or starts with / . or ~ is local; a hub id is
+    "org/name".
+    """
+    d = task.dataset
+    return bool(d) and (os.path.exists(d) or bool(os.path.splitext(d)[1]) or d.startswith(("/", ".", "~")))
+
+
+def _check_json_lines(task: TaskConfig) -> None:
+    """A .jsonl file's own errors named by line (datasets' would name a generated split): none, a bad line."""
+    with open(task.dataset, encoding="utf-8", errors="replace") as f:
+        n = 0
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            n += 1
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"eval.tasks[{task.name}]: line {i} of '{task.dataset}' is not JSON ({e.msg}); "
+                                f"fix or delete that line") from None
+    if n == 0:
+        raise DataError(f"eval.tasks[{task.name}]: '{task.dataset}' has no rows; give a file with one JSON "
+                        f"object per line")
 
 
 def _rows(task: TaskConfig, limit: int) -> list[dict]:
@@ -171,11 +195,16 @@ def _rows(task: TaskConfig, limit: int) -> list[dict]:
     try:
         if is_local(task):
             kind = _local_kind(task.dataset)
+            if os.path.isdir(task.dataset):
+                raise DataError(f"eval.tasks[{task.name}].dataset: '{task.dataset}' is a directory; give the task's "
+                                f".jsonl, .json or .parquet file")
             if not os.path.isfile(task.dataset):
                 raise DataError(f"eval.tasks[{task.name}].dataset: file '{task.dataset}' not found")
             if kind is None:
                 raise DataError(f"eval.tasks[{task.name}].dataset: '{task.dataset}' is not a .jsonl, .json or "
                                 f".parquet file")
+            if task.dataset.lower().endswith(".jsonl"):
+                _check_json_lines(task)
             quiet = datasets.are_progress_bars_disabled()
             datasets.disable_progress_bars()  # a bar per small file would drown the start-up lines
             try:
@@ -229,8 +258,9 @@ def read_examples(task: TaskConfig, limit: int = 0) -> list[Example]:
         where = f"eval.tasks[{task.name}]: row {i + 1} of '{task.dataset}'"
         if not isinstance(ctx, str):
             raise DataError(f"{where}: {task.context_column} is {type(ctx).__name__}, not a string")
-        if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) for c in choices):
-            raise DataError(f"{where}: {task.choices_column} must be a list of at least 2 strings")
+        if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+            # Empty choices too: the harness cannot score them (it reads choice[0]).
+            raise DataError(f"{where}: {task.choices_column} must be a list of at least 2 non-empty strings")
         if isinstance(gold, str) and gold.strip().isdigit():  # the harness takes "2" as 2 too
             gold = int(gold)
         if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):

@@ -128,7 +128,9 @@ def task_configs(cfg, spec: str) -> list[TaskConfig]:
     own = {t.name: t for t in cfg.eval.tasks}
     out = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, path = item.partition("=")
+        name, eq, path = item.partition("=")
+        if eq and not path:
+            raise SetupError(f"--tasks: '{item}' names no file after '='; give NAME=FILE.jsonl")
         if path:
             out.append(TaskConfig(name=name, dataset=path))
         elif name in own or name in READY:
@@ -154,7 +156,8 @@ def load_model(cfg, path: str, mesh, device):
 
 
 def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_sequences: int = 0,
-                 micro_batch_size: int = 0, overrides: list[str] = (), source: str = "", tasks: str = "") -> dict:
+                 micro_batch_size: int = 0, overrides: list[str] = (), source: str = "",
+                 tasks: str | None = None) -> dict:
     """Loss and perplexity, or downstream task scores, of a run's checkpoint (collective: every torchrun rank calls it).
 
     source: one source of the run's mixture ('' : all). tasks: --tasks (task_configs); then the
@@ -166,7 +169,7 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
     run_cfg, path, tokenizer = load_run(run_dir, checkpoint)
     cfg = eval_config(run_cfg, run_dir, list(overrides))
     check_inputs(max_sequences, micro_batch_size)
-    task_cfg = dataclasses.replace(cfg.eval, tasks=task_configs(cfg, tasks)) if tasks else None
+    task_cfg = dataclasses.replace(cfg.eval, tasks=task_configs(cfg, tasks)) if tasks is not None else None
     if task_cfg is not None:
         check_tasks(task_cfg)
     rank, world, device = distributed.init_distributed(cfg.train.device)
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_sequences", type=count, default=0, help="only the split's first N windows (0: all)")
     p.add_argument("--micro_batch_size", type=count, default=0, help="windows per forward pass (0: the run's)")
     p.add_argument("--source", default="", help="one source of the run's [[data.sources]] (default: all)")
-    p.add_argument("--tasks", default="", help="score these downstream tasks instead of the loss: comma-separated "
+    p.add_argument("--tasks", default=None, help="score these downstream tasks instead of the loss: comma-separated "
                    "names of the run's [[eval.tasks]], ready tasks (" + ", ".join(READY) + ") or NAME=FILE.jsonl; "
                    "the first eval.limit examples of each (--eval.limit 0: all)")
     a, overrides = p.parse_known_args(argv)

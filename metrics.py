@@ -12,7 +12,7 @@ import torch
 
 from errors import ConfigError, require
 from rundir import RunDir
-from wandblog import WandbLog
+from wandblog import WandbLog, check_wandb
 
 
 @dataclasses.dataclass
@@ -37,12 +37,14 @@ class MetricsConfig:
                               f"got {self.wandb_project!r}; choose another name")
 
 
-def check_metrics(cfg: MetricsConfig) -> None:
-    """Raise MissingPackageError when cfg asks for TensorBoard or W&B and its package is missing."""
+def check_metrics(cfg: MetricsConfig, run_dir: str = "") -> None:
+    """Raise MissingPackageError when cfg asks for TensorBoard or W&B and its package is missing; with W&B,
+    SetupError for a WANDB_MODE that W&B does not know or a bad RUN_DIR/wandb_run_id (run_dir given)."""
     if cfg.tensorboard:
         require("tensorboard", "tensorboard", "metrics.tensorboard = true", "set it to false")
     if cfg.wandb:
         require("wandb", "wandb", "metrics.wandb = true", "set it to false")
+        check_wandb(run_dir)
 
 
 # Dense bf16 peak per device, TFLOP/s, from the vendors' data sheets (SXM, without sparsity).

@@ -289,6 +289,13 @@ def train(s: Session) -> int:
     cfg, rank, device, dp, mesh = s.cfg, s.rank, s.device, s.dp, s.mesh
     data_parallel = dp_mesh(mesh)  # looked up once, not at every logged step
     loader, train_state, ckpt, run_dir = s.loader, s.train_state, s.ckpt, RunDir(cfg.run_dir)
+    opened = {}
+
+    def open_log():  # first, on rank 0: a W&B run that cannot start stops every rank, the run directory as it was
+        opened["log"] = MetricsLog(cfg.run_dir, True, train_state.step, cfg.metrics, dataclasses.asdict(cfg))
+
+    distributed.on_rank0(open_log, rank)
+    log = opened.get("log") or MetricsLog(cfg.run_dir, False)
     if rank == 0:
         cli.write_resolved(cfg, run_dir.config)
         with contextlib.suppress(FileNotFoundError):  # a record of an earlier run must not speak for this one
@@ -298,7 +305,6 @@ def train(s: Session) -> int:
     peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
     dist.all_reduce(peak)  # the run's peak is the sum of its ranks' peaks
     peak_total = peak.item()
-    log = MetricsLog(cfg.run_dir, rank == 0, train_state.step, cfg.metrics, dataclasses.asdict(cfg))
     val = val_batches(s.corpus, cfg.train.val_batches * cfg.train.global_batch_size, s.micro_batch_size,
                       data_parallel.get_local_rank(), dp)
     if rank == 0:

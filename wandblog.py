@@ -24,6 +24,32 @@ if TYPE_CHECKING:
     from metrics import MetricsConfig
 
 
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+"""The values of WANDB_MODE that wandb 0.31 takes (its Settings.mode)."""
+
+
+def _saved_id(path: str) -> str:
+    with open(path) as f:
+        found = f.read().strip()
+    if not found or any(c in found for c in ":;,#?/' \t\n"):  # W&B's reserved characters, and blanks
+        raise SetupError(f"{path} holds {found!r}, not a W&B run id; put the run's id in it (the last part "
+                         f"of its URL), or delete the file to start a new W&B run")
+    return found
+
+
+def check_wandb(run_dir: str = "") -> None:
+    """Checks before any collective: WANDB_MODE is one W&B takes, and run_dir's id file, if any, holds an id.
+
+    Raises SetupError naming the variable or the file and the fix.
+    """
+    mode = os.environ.get("WANDB_MODE", "")
+    if mode and mode not in WANDB_MODES:
+        raise SetupError(f"WANDB_MODE={mode!r} is not a W&B mode; use one of {', '.join(WANDB_MODES[:3])}, or unset it")
+    path = RunDir(run_dir).wandb_id if run_dir else ""
+    if path and os.path.exists(path):
+        _saved_id(path)
+
+
 def run_id(run_dir: str) -> str:
     """The W&B run id of run_dir: 8 random base-36 digits (as W&B makes them), written on the first start (atomically).
 
@@ -31,12 +57,7 @@ def run_id(run_dir: str) -> str:
     """
     path = RunDir(run_dir).wandb_id
     if os.path.exists(path):
-        with open(path) as f:
-            found = f.read().strip()
-        if not found or any(c in found for c in ":;,#?/' \t\n"):  # W&B's reserved characters, and blanks
-            raise SetupError(f"{path} holds {found!r}, not a W&B run id; put the run's id in it (the last part "
-                             f"of its URL), or delete the file to start a new W&B run")
-        return found
+        return _saved_id(path)
     found = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -75,9 +96,10 @@ class WandbLog:
                           f"continuing it instead, so W&B keeps the earlier values of the steps after "
                           f"{resume_step} (metrics.jsonl holds the new ones)", file=sys.stderr, flush=True)
             self.run = wandb.init(**base, id=rid, resume="allow")
-        except wandb.Error as e:
-            raise SetupError(f"metrics.wandb = true: W&B could not start run {rid} ({one_line(e)}); run `wandb "
-                             f"login`, set WANDB_MODE=offline, or set metrics.wandb = false") from None
+        except Exception as e:  # wandb.Error, and pydantic's errors for bad WANDB_* settings, among others
+            raise SetupError(f"metrics.wandb = true: W&B could not start run {rid} ({one_line(e)}); check the "
+                             f"WANDB_* variables, run `wandb login`, set WANDB_MODE=offline, or set "
+                             f"metrics.wandb = false") from None
 
     def log(self, step: int, values: dict) -> None:
         """Log values ({name: number}) at step; the values of one step logged in several calls make one W&B row."""

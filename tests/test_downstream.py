@@ -190,6 +190,8 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp(tm
     assert printed["eval/stdlib_next/examples"] == 48 and printed["eval/stdlib_long/examples"] == 18
     line = refused(evaluate.main, ["--run_dir", str(one), "--tasks", "stdlib_next,nope"], capsys)
     assert "unknown task 'nope'; give one of the run's [[eval.tasks]] (stdlib_next, stdlib_long), a ready" in line
+    assert "--tasks is empty" in refused(evaluate.main, ["--run_dir", str(one), "--tasks", ""], capsys)
+    assert "names no file after '='" in refused(evaluate.main, ["--run_dir", str(one), "--tasks", "t="], capsys)
 
 
 def _train_refused(tmp_path, monkeypatch, capsys, table: str) -> str:
@@ -203,12 +205,15 @@ def _train_refused(tmp_path, monkeypatch, capsys, table: str) -> str:
     ([{"context": "a", "choices": ["b", "c"]}], "", "has no column 'gold' (it has choices, context); set "
                                                     "eval.tasks.gold_column"),
     ([{"context": "a", "choices": ["b", "c"], "gold": 2}], "", "row 1 of"),
-    ([{"context": "a", "choices": "b c", "gold": 0}], "", "choices must be a list of at least 2 strings"),
+    ([{"context": "a", "choices": "b c", "gold": 0}], "", "choices must be a list of at least 2 non-empty strings"),
     ([{"q": "a", "choices": ["b", "c"], "gold": 0}], 'context_column = "question"\n', "has no column 'question'"),
+    ([{"context": "a", "choices": ["b", ""], "gold": 0}], "", "choices must be a list of at least 2 non-empty"),
+    ([], "", "has no rows; give a file with one JSON object per line"),
+    (['{"context": "a", "choices": ["b", "c"], "gold": 0}', '{"context": "a",'], "", "line 2 of '"),
 ])
 def test_bad_task_files_are_refused_before_any_collective(tmp_path, monkeypatch, capsys, rows, table, msg):
     path = tmp_path / "task.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows) or "\n\n")
     line = _train_refused(tmp_path, monkeypatch, capsys, f'[[eval.tasks]]\nname = "t"\ndataset = "{path}"\n{table}')
     assert msg in line and "eval.tasks[t]" in line, line
     if "row 1" in msg:
@@ -223,4 +228,8 @@ def test_unknown_tasks_are_named(tmp_path, monkeypatch, capsys):
     assert "eval.tasks[t].dataset: file '" in line and "no.jsonl' not found" in line, line
     line = _train_refused(tmp_path, monkeypatch, capsys, f'[[eval.tasks]]\nname = "t"\ndataset = "{DEBUG}"\n')
     assert "debug.toml' is not a .jsonl, .json or .parquet file" in line, line
+    line = _train_refused(tmp_path, monkeypatch, capsys, f'[[eval.tasks]]\nname = "t"\ndataset = "{tmp_path}"\n')
+    assert "is a directory; give the task's .jsonl, .json or .parquet file" in line, line
+    line = _train_refused(tmp_path, monkeypatch, capsys, '[[eval.tasks]]\nname = "t"\ndataset = "tasks/mine.csv"\n')
+    assert "file 'tasks/mine.csv' not found" in line, line  # a path, not a hub id
 

@@ -1,5 +1,6 @@
 """metrics.wandb: W&B holds what metrics.jsonl holds, one row per step, in one W&B run across resumes (offline)."""
 import json
+import os
 import sys
 
 import pytest
@@ -106,7 +107,7 @@ def test_w_and_b_that_cannot_start_is_one_error_naming_the_fix(tmp_path, monkeyp
 
     monkeypatch.setattr(wandb, "init", init)
     with pytest.raises(SetupError, match=r"^metrics.wandb = true: W&B could not start run \w{8} \(UsageError: api_key "
-                                         r"not configured \(no-tty\)\); run `wandb login`, set WANDB_MODE=offline"):
+                                         r"not configured \(no-tty\)\); check the WANDB_\* variables, run `wandb login`"):
         MetricsLog(str(tmp_path), True, 0, CFG, {})
 
 
@@ -133,3 +134,19 @@ def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkey
         "error: metrics.wandb = true needs the Python package 'wandb', which is not installed: "
         "pip install -e \".[wandb]\"; or set it to false")
     assert not (rd / "data").exists()
+
+
+def test_a_bad_id_file_or_wandb_mode_stops_the_run_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    rd = tmp_path / "run"
+    rd.mkdir()
+    with open(RunDir(str(rd)).wandb_id, "w") as f:
+        f.write("bad id\n")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    argv = ["--config", DEBUG, "--run_dir", str(rd), "--metrics.wandb", "true"]
+    line = refused(train_fsdp.main, argv, capsys)
+    assert "wandb_run_id holds 'bad id', not a W&B run id" in line, line
+    os.remove(RunDir(str(rd)).wandb_id)
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    line = refused(train_fsdp.main, argv, capsys)
+    assert "WANDB_MODE='bogus' is not a W&B mode; use one of online, offline, disabled" in line, line
+    assert sorted(os.listdir(rd)) == []  # no config.toml, no data: refused before the run started
