@@ -19,7 +19,7 @@ import downstream
 import evaluate
 import tokenizer
 import train_fsdp
-from launch import DEBUG, ROOT, metrics, refused, torchrun
+from launch import DEBUG, ROOT, metrics, prepared_data_dir, refused, torchrun
 from scripts.stdlib_tasks import write_tasks
 
 TASKS = ("stdlib_next", "stdlib_long")
@@ -160,6 +160,8 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp(tm
     cfg, yaml_dir = _write_tasks(tmp_path)
     run = ["--config", cfg, "--train.steps", "10", "--checkpoint.interval", "10", "--train.val_interval", "0"]
     one, two, tp2 = tmp_path / "ws1", tmp_path / "ws2", tmp_path / "dp1tp2"
+    for rd in (one, two, tp2):
+        prepared_data_dir(rd)  # the session's tokenized debug corpus: no tokenizer training per run
     torchrun(1, "train_fsdp.py", *run, "--run_dir", str(one))
     torchrun(2, "train_fsdp.py", *run, "--run_dir", str(two))
     torchrun(2, "train_2d.py", *run, "--run_dir", str(tp2), "--parallel.tp", "2")  # vocabulary-parallel logits
