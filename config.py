@@ -30,6 +30,7 @@ from parallelize import ParallelConfig, check_layout
 from profiling import parse_steps
 from rundir import RunDir
 from sources import check_source
+from storage import check_location
 from tokenizer import EOT, load_tokenizer
 
 
@@ -162,8 +163,9 @@ def validate(cfg: Config, world_size: int) -> None:
     ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
     source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
-    unwritable run directory; a MissingPackageError for metrics.tensorboard without the
-    tensorboard package.
+    unwritable run directory; a StorageError for a checkpoint URL that cannot be used (unknown
+    scheme, no credentials, no such bucket, no endpoint); a MissingPackageError for
+    metrics.tensorboard without the tensorboard package, or an s3:// URL without s3fs.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
@@ -191,6 +193,8 @@ def validate(cfg: Config, world_size: int) -> None:
             f"({cfg.model.vocab_size}); lower the first or raise the second"
         )
     check_run_dir(cfg.run_dir)
+    check_location(cfg.checkpoint.dir, "--checkpoint.dir")
+    check_location(cfg.checkpoint.load_from, "--checkpoint.load_from")
     prepared = RunDir(cfg.run_dir).tokenizer
     if os.path.isfile(prepared):  # a run directory prepared before: its tokenizer is the run's
         check_tokenizer(prepared, cfg.model)
@@ -216,7 +220,8 @@ def check_run_dir(run_dir: str) -> None:
 def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:
     """(config, checkpoint path, tokenizer.json path) of a training run directory; no process group needed.
 
-    checkpoint: a checkpoint directory, or "" for the newest complete one in run_dir/checkpoints.
+    checkpoint: a checkpoint directory or URL, or "" for the newest complete one of the run (its
+    checkpoint.dir, by default run_dir/checkpoints).
     Raises CheckpointError when the run has no config.toml, tokenizer or complete checkpoint,
     ConfigError when its config.toml does not parse.
     """
@@ -225,10 +230,11 @@ def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"run directory '{run_dir}' has no config.toml; give the --run_dir of a training run")
     cfg = parse_config(["--config", cfg_path])
+    check_location(checkpoint or cfg.checkpoint.dir, "--checkpoint")
     if checkpoint:
         read_metadata(checkpoint)
     else:
-        checkpoint = newest_checkpoint(run_dir)
+        checkpoint = newest_checkpoint(cfg.checkpoint.root(run_dir))
     tokenizer = run.tokenizer
     if not os.path.isfile(tokenizer):
         raise CheckpointError(f"run directory '{run_dir}' has no data/tokenizer.json")

@@ -219,7 +219,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
                                cfg.train.seed, data_state)
 
     tr = build_trainable(cfg, rank, mesh, device, tp_plan)
-    ckpt = Checkpointer(cfg.checkpoint, RunDir(cfg.run_dir).checkpoints, rank, cli.to_toml(cfg))
+    ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.root(cfg.run_dir), rank, cli.to_toml(cfg))
     app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, data_state, rank)
 
     def find_resume():
@@ -428,7 +428,10 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
 
 def peer_message(cfg: Config, where: str, rank: int, why: str) -> str:
     """The one line a rank prints when a peer rank hung or died: where, what, what is safe, what to do."""
-    found = complete_checkpoints(RunDir(cfg.run_dir).checkpoints)
+    try:
+        found = complete_checkpoints(cfg.checkpoint.root(cfg.run_dir))
+    except Exception:  # a store that is down too must not hide the peer's failure
+        found = []
     timeout = f" for train.collective_timeout_s ({cfg.train.collective_timeout_s:g} s)" if "answering" in why else ""
     return (f"{where}: rank {rank}: a peer rank {why}{timeout}; the newest complete checkpoint is "
             f"{found[-1][1] if found else 'none yet'}; see the other ranks' output for the cause, then run the same "

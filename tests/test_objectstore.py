@@ -1,0 +1,140 @@
+"""Checkpoints on an S3-compatible server (a real moto_server on 127.0.0.1, see tests/s3server.py):
+bad locations refused in one line before anything starts; a run killed during an upload, resumed at
+another world size from the bucket, with a store outage in the middle, equals the uninterrupted local run."""
+import os
+import sys
+
+import pytest
+import torch
+
+import checkpoint as ckpt_lib
+import distributed
+import generate
+import hf
+import storage
+import train_fsdp
+from launch import DEBUG, REFERENCE_ARGS, losses, metrics, prepared_data_dir, spawn, torchrun_command, wait_for_step
+from model import PRESETS, ModelArgs, Transformer
+from s3server import Relay, start_server
+
+BUCKET = "tests"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """The AWS_* variables of a fresh moto_server with BUCKET, set in this process too while the module runs."""
+    proc, env = start_server(BUCKET)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def _refused(monkeypatch, capsys, *argv) -> str:
+    """train_fsdp.main in this process must stop with one 'error:' line and status 2; returns the line."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
+    rc = train_fsdp.main(["--config", DEBUG, *argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_bad_checkpoint_locations_are_one_line_before_anything_starts(s3, tmp_path, monkeypatch, capsys):
+    rd = str(tmp_path / "run")
+    line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.dir", "nosuch://b/p")
+    assert "unknown URL scheme 'nosuch://'" in line
+    line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.dir", "s3://no-such-bucket/run")
+    assert "bucket 'no-such-bucket' does not exist" in line and s3["AWS_ENDPOINT_URL"] in line
+    line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.load_from", "s3://no-such-bucket/x")
+    assert "--checkpoint.load_from" in line
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.dir", f"s3://{BUCKET}/run")
+    assert "no S3 credentials" in line and "AWS_ACCESS_KEY_ID" in line
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # as if s3fs were not installed
+    line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.dir", f"s3://{BUCKET}/run")
+    assert "'s3fs'" in line and '".[s3]"' in line
+    assert not os.path.exists(os.path.join(rd, "checkpoints"))
+
+
+def test_storage_reads_writes_lists_and_removes_on_the_server(s3):
+    root = f"s3://{BUCKET}/storage"
+    storage.write_bytes(storage.join(root, "a", "x.bin"), b"123")
+    assert storage.isfile(f"{root}/a/x.bin") and not storage.isfile(f"{root}/a")
+    assert storage.listdir(root) == ["a"] and storage.listdir(f"{root}/none") == []
+    assert storage.read_bytes(f"{root}/a/x.bin") == b"123"
+    storage.remove(f"{root}/a")
+    assert not storage.exists(f"{root}/a/x.bin")
+
+
+def _weights(path: str) -> dict[str, torch.Tensor]:
+    sd = Transformer(ModelArgs(**PRESETS["debug"])).state_dict()
+    ckpt_lib.read_model_weights(path, sd)
+    return sd
+
+
+def _store_steps(url: str) -> dict[str, bool]:
+    """{step directory name: committed} under url."""
+    return {n: ckpt_lib.is_complete(storage.join(url, n)) for n in storage.listdir(url)}
+
+
+@pytest.mark.slow
+def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_like_the_local_run(
+        s3, tmp_path, reference):
+    # 1. Two ranks, checkpoints every 2 steps on the server; rank 1 is SIGKILLed as the save of
+    #    step 6 starts, so step 6 may hold rank 0's shard but never gets its commit marker.
+    url, rd = f"s3://{BUCKET}/killed", tmp_path / "run"
+    prepared_data_dir(rd)
+    args = ["--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS, "--checkpoint.dir", url, "--checkpoint.keep", "2"]
+    proc = spawn(torchrun_command(2, "tests/fault_worker.py", *args), tmp_path / "log1.txt",
+                 env={"FAULT": "1:6:write"})
+    assert proc.wait(timeout=240) != 0
+    steps = _store_steps(url)
+    assert steps.get("step_00000004") and not steps.get("step_00000006"), steps
+    assert not os.path.exists(rd / "checkpoints")  # nothing local: the run directory holds no checkpoint
+
+    # 2. One rank, through a relay to the server: resumes from step 4, removes the partial step 6,
+    #    saves 6; the store goes down after step 7, so the save of step 8 fails with one line.
+    relay = Relay(int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    via_relay = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{relay.port}", "AWS_MAX_ATTEMPTS": "3"}
+    proc = spawn(torchrun_command(1, "train_fsdp.py", *args), tmp_path / "log2.txt", env=via_relay)
+    wait_for_step(rd, 7, proc)
+    relay.down()
+    rc = proc.wait(timeout=240)
+    log = (tmp_path / "log2.txt").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    print(errors)
+    assert rc != 0 and len(errors) == 1, log[-3000:]
+    assert f"step 8 to {url} failed" in errors[0] and f"{url}/step_00000006, is untouched" in errors[0]
+    assert f"resumed from {url}/step_00000004 at step 4" in log and f"removing {url}/step_00000006" in log
+
+    # 3. The store is back: the same command resumes from step 6 and finishes; keep 2 on the store.
+    relay.up()
+    proc = spawn(torchrun_command(1, "train_fsdp.py", *args), tmp_path / "log3.txt", env=via_relay)
+    assert proc.wait(timeout=240) == 0, (tmp_path / "log3.txt").read_text()[-3000:]
+    assert f"resumed from {url}/step_00000006 at step 6" in (tmp_path / "log3.txt").read_text()
+    assert _store_steps(url) == {"step_00000008": True, "step_00000010": True}
+
+    want, got = losses(reference), losses(rd)
+    same = max(abs(got[s] - want[s]) / abs(want[s]) for s in range(1, 5))  # 2 ranks, before the kill
+    other = max(abs(got[s] - want[s]) / abs(want[s]) for s in range(5, 11))  # 1 rank from step 4 on
+    print(f"max relative loss difference vs the uninterrupted local run: steps 1-4 {same:.1e}, 5-10 {other:.1e}")
+    assert same <= 1e-6 and other <= 1e-4
+    assert [r["step"] for r in metrics(rd) if "loss" in r] == list(range(1, 11))
+
+    # 4. The commands that read a run take the remote checkpoint (the run's checkpoint.dir).
+    ref = _weights(ckpt_lib.complete_checkpoints(str(reference / "checkpoints"))[-1][1])
+    remote = _weights(f"{url}/step_00000010")
+    assert all(torch.allclose(remote[k], v, atol=1e-4) for k, v in ref.items())
+    assert hf.main(["export", "--run_dir", str(rd), "--out", str(tmp_path / "hf")]) == 0
+    model, _ = generate.load_model(str(rd))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in remote.items())
