@@ -90,16 +90,16 @@ def _store_steps(url: str) -> dict[str, bool]:
 @pytest.mark.slow
 def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_like_the_local_run(
         s3, tmp_path, reference):
-    # 1. Two ranks, checkpoints every 2 steps on the server; rank 1 is SIGKILLed as the save of
-    #    step 6 starts, so step 6 may hold rank 0's shard but never gets its commit marker.
+    # 1. Two ranks, checkpoints every 2 steps on the server; rank 0 is SIGKILLed once every shard
+    #    of step 6 is uploaded, before the commit marker: step 6 is there, but not committed.
     url, rd = f"s3://{BUCKET}/killed", tmp_path / "run"
     prepared_data_dir(rd)
     args = ["--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS, "--checkpoint.dir", url, "--checkpoint.keep", "2"]
     proc = spawn(torchrun_command(2, "tests/fault_worker.py", *args), tmp_path / "log1.txt",
-                 env={"FAULT": "1:6:write"})
+                 env={"FAULT": "0:6:marker"})
     assert proc.wait(timeout=240) != 0
     steps = _store_steps(url)
-    assert steps.get("step_00000004") and not steps.get("step_00000006"), steps
+    assert steps == {"step_00000002": True, "step_00000004": True, "step_00000006": False}, steps
     assert not os.path.exists(rd / "checkpoints")  # nothing local: the run directory holds no checkpoint
 
     # 2. One rank, through a relay to the server: resumes from step 4, removes the partial step 6,
@@ -122,6 +122,7 @@ def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_lik
     proc = spawn(torchrun_command(1, "train_fsdp.py", *args), tmp_path / "log3.txt", env=via_relay)
     assert proc.wait(timeout=240) == 0, (tmp_path / "log3.txt").read_text()[-3000:]
     assert f"resumed from {url}/step_00000006 at step 6" in (tmp_path / "log3.txt").read_text()
+    relay.down()
     assert _store_steps(url) == {"step_00000008": True, "step_00000010": True}
 
     want, got = losses(reference), losses(rd)
