@@ -2,7 +2,7 @@
 
     DIR/config.toml       the resolved config of the run (written at every start)
     DIR/data/             the prepared corpus: tokenizer.json, meta.json, per-source token files
-    DIR/checkpoints/      DCP checkpoints, step_<N>/ (see checkpoint.py)
+    DIR/checkpoints/      DCP checkpoints, step_<N>/ (see checkpoint.py), unless checkpoint.dir puts them elsewhere
     DIR/metrics.jsonl     one JSON record per logged step and per validation
     DIR/tensorboard/      the same scalars as TensorBoard events (metrics.tensorboard)
     DIR/profile/          torch.profiler traces (train.profile_steps)
