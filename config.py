@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 import cli
+import datacache
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from data import DataConfig
 from distributed import local_world_size, resolve_device
@@ -184,17 +185,25 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SetupError(f"{local_world_size()} processes on this node (LOCAL_WORLD_SIZE) but {torch.cuda.device_count()} "
                          f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")
     check_metrics(cfg.metrics)
-    check_source(d)
-    if d.tokenizer:
-        check_tokenizer(d.tokenizer, cfg.model)
-    elif d.tokenizer_vocab_size > cfg.model.vocab_size:
-        raise SetupError(
-            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
-            f"({cfg.model.vocab_size}); lower the first or raise the second"
-        )
+    if not d.prepared:  # with data.prepared the sources and the tokenizer file need not be on this node
+        check_source(d)
+        if d.tokenizer:
+            check_tokenizer(d.tokenizer, cfg.model)
+        elif d.tokenizer_vocab_size > cfg.model.vocab_size:
+            raise SetupError(
+                f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
+                f"({cfg.model.vocab_size}); lower the first or raise the second"
+            )
     check_run_dir(cfg.run_dir)
     check_location(cfg.checkpoint.dir, "--checkpoint.dir")
     check_location(cfg.checkpoint.load_from, "--checkpoint.load_from")
+    if d.prepared:
+        check_location(d.prepared, "--data.prepared")
+        vocab = datacache.remote_meta(d)["vocab_size"]  # and its settings against d
+        if vocab > cfg.model.vocab_size:
+            raise SetupError(f"--data.prepared {d.prepared} has a tokenizer of {vocab} tokens but model.vocab_size "
+                             f"is {cfg.model.vocab_size}; raise model.vocab_size")
+        return
     prepared = RunDir(cfg.run_dir).tokenizer
     if os.path.isfile(prepared):  # a run directory prepared before: its tokenizer is the run's
         check_tokenizer(prepared, cfg.model)
@@ -236,6 +245,8 @@ def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:
     else:
         checkpoint = newest_checkpoint(cfg.checkpoint.root(run_dir))
     tokenizer = run.tokenizer
+    if cfg.data.prepared and not os.path.isfile(tokenizer):
+        tokenizer = datacache.tokenizer_path(cfg.data, run_dir)
     if not os.path.isfile(tokenizer):
         raise CheckpointError(f"run directory '{run_dir}' has no data/tokenizer.json")
     return cfg, checkpoint, tokenizer

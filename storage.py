@@ -144,6 +144,14 @@ def listdir(path: str) -> list[str]:
         return []
 
 
+def size(path: str) -> int:
+    """The file's size in bytes; FileNotFoundError if absent."""
+    if not is_url(path):
+        return os.path.getsize(path)
+    fs, inner = filesystem(path)
+    return fs.size(inner)
+
+
 def read_bytes(path: str) -> bytes:
     """The file's contents; OSError (FileNotFoundError if absent) when it cannot be read."""
     if not is_url(path):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import cli
+import datacache
 import distributed
 import hf
 from checkpoint import (
@@ -205,10 +206,14 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     dp = data_parallel.size()
     torch.manual_seed(cfg.train.seed)
 
-    # Data: all ranks tokenize their share of the corpus into the run directory, then map it.
+    # Data: all ranks tokenize their share of the corpus into the run directory, or each node
+    # copies a published one (data.prepared) into its cache; then every rank maps it.
     data_dir = RunDir(cfg.run_dir).data
     try:
-        meta = prepare_on_all_ranks(cfg.data, data_dir)
+        if cfg.data.prepared:
+            data_dir, meta = datacache.fetch(cfg.data, datacache.cache_dir(cfg.data, cfg.run_dir))
+        else:
+            meta = prepare_on_all_ranks(cfg.data, data_dir)
     except UserError as e:
         raise SetupError(str(e)) from None
     check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"])

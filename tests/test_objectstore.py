@@ -11,6 +11,7 @@ import checkpoint as ckpt_lib
 import distributed
 import generate
 import hf
+import prepare
 import storage
 import train_fsdp
 from launch import DEBUG, REFERENCE_ARGS, losses, metrics, prepared_data_dir, spawn, torchrun_command, wait_for_step
@@ -18,6 +19,15 @@ from model import PRESETS, ModelArgs, Transformer
 from s3server import Relay, start_server
 
 BUCKET = "tests"
+
+
+@pytest.fixture(scope="module")
+def published(s3, tmp_path_factory) -> str:
+    """The URL of the debug corpus published by `prepare.py --data.prepared URL` (a run directory of its own)."""
+    rd, url = tmp_path_factory.mktemp("prepare"), f"s3://{BUCKET}/data"
+    prepared_data_dir(rd)  # tokenized once per session; prepare.py finds it prepared and publishes it
+    assert prepare.main(["--config", DEBUG, "--run_dir", str(rd), "--data.prepared", url]) == 0
+    return url
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +76,16 @@ def test_bad_checkpoint_locations_are_one_line_before_anything_starts(s3, tmp_pa
     assert not os.path.exists(os.path.join(rd, "checkpoints"))
 
 
+def test_a_published_directory_prepared_otherwise_is_one_line_before_anything_starts(published, tmp_path,
+                                                                                       monkeypatch, capsys):
+    rd = str(tmp_path / "run")
+    line = _refused(monkeypatch, capsys, "--run_dir", rd, "--data.prepared", published, "--data.max_documents", "10")
+    assert "prepared with other data settings (source default max_documents: prepared 400, now 10)" in line
+    line = _refused(monkeypatch, capsys, "--run_dir", rd, "--data.prepared", f"s3://{BUCKET}/nothing")
+    assert "no meta.json there" in line
+    assert not os.path.exists(os.path.join(rd, "data_cache"))
+
+
 def test_storage_reads_writes_lists_and_removes_on_the_server(s3):
     root = f"s3://{BUCKET}/storage"
     storage.write_bytes(storage.join(root, "a", "x.bin"), b"123")
@@ -89,18 +109,20 @@ def _store_steps(url: str) -> dict[str, bool]:
 
 @pytest.mark.slow
 def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_like_the_local_run(
-        s3, tmp_path, reference):
-    # 1. Two ranks, checkpoints every 2 steps on the server; rank 0 is SIGKILLed once every shard
-    #    of step 6 is uploaded, before the commit marker: step 6 is there, but not committed.
+        s3, published, tmp_path, reference):
+    # 1. Two ranks, the data and the checkpoints (every 2 steps) on the server; rank 0 is SIGKILLed
+    #    once every shard of step 6 is uploaded, before the commit marker: step 6 is there, not committed.
     url, rd = f"s3://{BUCKET}/killed", tmp_path / "run"
-    prepared_data_dir(rd)
-    args = ["--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS, "--checkpoint.dir", url, "--checkpoint.keep", "2"]
+    args = ["--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS, "--checkpoint.dir", url, "--checkpoint.keep", "2",
+            "--data.prepared", published]
     proc = spawn(torchrun_command(2, "tests/fault_worker.py", *args), tmp_path / "log1.txt",
                  env={"FAULT": "0:6:marker"})
     assert proc.wait(timeout=240) != 0
     steps = _store_steps(url)
     assert steps == {"step_00000002": True, "step_00000004": True, "step_00000006": False}, steps
-    assert not os.path.exists(rd / "checkpoints")  # nothing local: the run directory holds no checkpoint
+    assert not os.path.exists(rd / "checkpoints") and not os.path.exists(rd / "data")  # nothing local but the cache
+    downloads = [line for line in (tmp_path / "log1.txt").read_text().splitlines() if "[data] downloading" in line]
+    assert len(downloads) == 2, downloads  # tokenizer.json and the token file, once for the node's 2 ranks
 
     # 2. One rank, through a relay to the server: resumes from step 4, removes the partial step 6,
     #    saves 6; the store goes down after step 7, so the save of step 8 fails with one line.
@@ -116,6 +138,7 @@ def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_lik
     assert rc != 0 and len(errors) == 1, log[-3000:]
     assert f"step 8 to {url} failed" in errors[0] and f"{url}/step_00000006, is untouched" in errors[0]
     assert f"resumed from {url}/step_00000004 at step 4" in log and f"removing {url}/step_00000006" in log
+    assert "[data] downloading" not in log  # the node's cache is reused
 
     # 3. The store is back: the same command resumes from step 6 and finishes; keep 2 on the store.
     relay.up()
