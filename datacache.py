@@ -23,6 +23,8 @@ import storage
 from data import DataConfig, DataError, read_meta
 from rundir import RunDir
 
+CACHE_LOCK = ".cache.lock"
+"""In the cache: the lock its node's ranks take in turn."""
 STAMPS = ".verified.json"
 """In the cache: {relative path: [size, mtime_ns, sha256]} of the files checked already."""
 
@@ -74,8 +76,8 @@ def remote_meta(cfg: DataConfig) -> dict:
 
 @contextlib.contextmanager
 def _node_lock(folder: str):
-    """An exclusive lock on folder/.lock: the ranks of one node take turns; the first one downloads."""
-    with open(os.path.join(folder, ".lock"), "a") as f:
+    """An exclusive lock on folder/CACHE_LOCK: the ranks of one node take turns; the first one downloads."""
+    with open(os.path.join(folder, CACHE_LOCK), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
