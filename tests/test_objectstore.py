@@ -1,6 +1,7 @@
 """Checkpoints on an S3-compatible server (a real moto_server on 127.0.0.1, see tests/s3server.py):
 bad locations refused in one line before anything starts; a run killed during an upload, resumed at
-another world size from the bucket, with a store outage in the middle, equals the uninterrupted local run."""
+another world size from the bucket, with a store outage in the middle, equals the uninterrupted local run;
+two torchrun agents as two nodes share nothing but the bucket."""
 import os
 import sys
 
@@ -110,19 +111,28 @@ def _store_steps(url: str) -> dict[str, bool]:
 @pytest.mark.slow
 def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_like_the_local_run(
         s3, published, tmp_path, reference):
-    # 1. Two ranks, the data and the checkpoints (every 2 steps) on the server; rank 0 is SIGKILLed
-    #    once every shard of step 6 is uploaded, before the commit marker: step 6 is there, not committed.
-    url, rd = f"s3://{BUCKET}/killed", tmp_path / "run"
-    args = ["--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS, "--checkpoint.dir", url, "--checkpoint.keep", "2",
-            "--data.prepared", published]
-    proc = spawn(torchrun_command(2, "tests/fault_worker.py", *args), tmp_path / "log1.txt",
-                 env={"FAULT": "0:6:marker"})
-    assert proc.wait(timeout=240) != 0
+    # 1. Two torchrun agents as two nodes, each with a run directory of its own: they share only the
+    #    bucket, which holds the data and the checkpoints (every 2 steps). Rank 0 is SIGKILLed once
+    #    every shard of step 6 is uploaded, before the commit marker; its peer on the other node fails.
+    url = f"s3://{BUCKET}/killed"
+    common = [*REFERENCE_ARGS, "--checkpoint.dir", url, "--checkpoint.keep", "2", "--data.prepared", published]
+    rendezvous = ("--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{distributed.free_port()}",
+                  "--rdzv-id=s3test")
+    nodes = [spawn(torchrun_command(1, "tests/fault_worker.py", "--config", DEBUG, "--run_dir", tmp_path / f"node{i}",
+                                    *common, launcher=rendezvous), tmp_path / f"node{i}.log",
+                   env={"FAULT": "0:6:marker"}) for i in range(2)]
+    assert all(p.wait(timeout=240) != 0 for p in nodes)
     steps = _store_steps(url)
     assert steps == {"step_00000002": True, "step_00000004": True, "step_00000006": False}, steps
-    assert not os.path.exists(rd / "checkpoints") and not os.path.exists(rd / "data")  # nothing local but the cache
-    downloads = [line for line in (tmp_path / "log1.txt").read_text().splitlines() if "[data] downloading" in line]
-    assert len(downloads) == 2, downloads  # tokenizer.json and the token file, once for the node's 2 ranks
+    for i in range(2):  # each node downloaded tokenizer.json and the token file once into its own cache
+        node = tmp_path / f"node{i}"
+        assert sorted(os.listdir(node / "data_cache" / "sources")) == [os.path.basename(f) for f in
+                                                                      storage.listdir(f"{published}/sources")]
+        assert not os.path.exists(node / "checkpoints") and not os.path.exists(node / "data")
+        log = (tmp_path / f"node{i}.log").read_text()
+        assert log.count("[data] downloading") == 2, log[-3000:]
+    rd = next(tmp_path / f"node{i}" for i in range(2) if os.path.exists(tmp_path / f"node{i}" / "metrics.jsonl"))
+    args = ["--config", DEBUG, "--run_dir", rd, *common]
 
     # 2. One rank, through a relay to the server: resumes from step 4, removes the partial step 6,
     #    saves 6; the store goes down after step 7, so the save of step 8 fails with one line.
@@ -140,9 +150,11 @@ def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_lik
     assert f"resumed from {url}/step_00000004 at step 4" in log and f"removing {url}/step_00000006" in log
     assert "[data] downloading" not in log  # the node's cache is reused
 
-    # 3. The store is back: the same command resumes from step 6 and finishes; keep 2 on the store.
+    # 3. The store is back: the same command, saving asynchronously now, resumes from step 6 and
+    #    finishes; keep 2 on the store.
     relay.up()
-    proc = spawn(torchrun_command(1, "train_fsdp.py", *args), tmp_path / "log3.txt", env=via_relay)
+    proc = spawn(torchrun_command(1, "train_fsdp.py", *args, "--checkpoint.async_save", "true"), tmp_path / "log3.txt",
+                 env=via_relay)
     assert proc.wait(timeout=240) == 0, (tmp_path / "log3.txt").read_text()[-3000:]
     assert f"resumed from {url}/step_00000006 at step 6" in (tmp_path / "log3.txt").read_text()
     relay.down()
