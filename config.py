@@ -2,7 +2,8 @@
 
     [model] model.ModelArgs      [data] data.DataConfig        [train] TrainConfig (below)
     [optim] optim.OptimConfig    [parallel] parallelize.ParallelConfig
-    [checkpoint] checkpoint.CheckpointConfig
+    [checkpoint] checkpoint.CheckpointConfig  [metrics] metrics.MetricsConfig
+    [eval] downstream.EvalConfig (with [[eval.tasks]])
 
 A field is checked where it is defined (each section's ``__post_init__``, ``Literal``
 choices); ``validate`` keeps only what needs several sections, files or the world size.
@@ -23,6 +24,7 @@ import datacache
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from data import DataConfig
 from distributed import local_world_size, resolve_device
+from downstream import EvalConfig, check_tasks
 from errors import ConfigError, SetupError
 from metrics import MetricsConfig, check_metrics
 from model import PRESETS, ModelArgs
@@ -106,6 +108,8 @@ class Config:
     """Checkpoint interval, retention, async saving, explicit resume path."""
     metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
     """Where metrics go besides metrics.jsonl."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Downstream multiple-choice tasks scored as lm-evaluation-harness scores them, in the loop and by evaluate.py --tasks."""
     init_from_hf: str = ""
     """Hugging Face Llama folder whose weights replace the random init when the run has no checkpoint yet (continued pretraining); [model] must match its config.json, and data.tokenizer defaults to its tokenizer.json."""
 
@@ -164,9 +168,11 @@ def validate(cfg: Config, world_size: int) -> None:
     ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
     source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
-    unwritable run directory; a StorageError for a checkpoint URL that cannot be used (unknown
-    scheme, no credentials, no such bucket, no endpoint); a MissingPackageError for
-    metrics.tensorboard without the tensorboard package, or an s3:// URL without s3fs.
+    unwritable run directory, a local [[eval.tasks]] file that is unreadable or lacks its
+    columns or has a gold index out of range; a StorageError for a checkpoint or data URL that
+    cannot be used (unknown scheme, no credentials, no such bucket, no endpoint), a
+    data.prepared whose meta.json does not match the data settings; a MissingPackageError for
+    metrics.tensorboard or metrics.wandb without its package, or an s3:// URL without s3fs.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
@@ -194,6 +200,7 @@ def validate(cfg: Config, world_size: int) -> None:
                 f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
                 f"({cfg.model.vocab_size}); lower the first or raise the second"
             )
+    check_tasks(cfg.eval)
     check_run_dir(cfg.run_dir)
     check_location(cfg.checkpoint.dir, "--checkpoint.dir")
     check_location(cfg.checkpoint.load_from, "--checkpoint.load_from")

@@ -1,8 +1,9 @@
-"""Validation loss and perplexity of a checkpoint, sharded with FSDP2 over torchrun ranks.
+"""Validation loss and perplexity, or downstream task scores, of a checkpoint, sharded with FSDP2 over torchrun ranks.
 
     torchrun --standalone --nproc_per_node=N evaluate.py --run_dir DIR [--checkpoint CKPT] \\
         [--split val|train|all] [--max_sequences N] [--micro_batch_size B] [--source NAME] [--data.dataset SRC ...]
     python evaluate.py --run_dir DIR            # one process
+    python evaluate.py --run_dir DIR --tasks hellaswag,mine=tasks/mine.jsonl [--eval.limit 0]
 
 Prints one JSON line: {"loss": mean token loss (nats), "ppl": exp(loss), "tokens": targets
 counted, "sequences", "split", "checkpoint"}. The windows are data.py's: each source's packed
@@ -19,6 +20,11 @@ The model is built, sharded and loaded with the training code (parallelize.build
 checkpoint.read_model_weights), and the windows are spread over ranks and scored by
 training's validation (validation.py). Only model weights are read, and the run
 directory's checkpoints are never touched.
+
+With --tasks it prints {"eval/<task>/acc", "eval/<task>/acc_norm", "eval/<task>/examples",
+"checkpoint"} instead: the multiple-choice tasks scored as lm-evaluation-harness scores them
+(downstream.py), their requests spread over the ranks; in a training run the same scores are
+the eval/<task>/* records of metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from checkpoint import read_model_weights
 from cli import ArgumentParser, number
 from config import compute_dtype, load_run, parse_config
 from data import DataError, PackedCorpus
+from downstream import READY, TaskConfig, check_tasks, evaluate_tasks, load_tasks
 from errors import SetupError, UserError, report
 from parallelize import build_mesh, build_model, dp_mesh
 from prepare import prepare
@@ -112,40 +119,82 @@ def eval_config(run_cfg, run_dir: str, overrides: list[str]):
     return parse_config(["--config", base, *overrides])
 
 
-def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_sequences: int = 0,
-                 micro_batch_size: int = 0, overrides: list[str] = (), source: str = "") -> dict:
-    """Loss and perplexity of a run's checkpoint (collective: every torchrun rank calls it).
+def task_configs(cfg, spec: str) -> list[TaskConfig]:
+    """The tasks that --tasks names (comma-separated): the run's [[eval.tasks]] by name, a ready task
+    (downstream.READY) or NAME=FILE (a jsonl/parquet file with the default columns).
 
-    source: one source of the run's mixture ('' : all). Returns {"loss", "ppl", "tokens",
+    Raises SetupError (or ConfigError for a bad name) naming the unknown task and the choices.
+    """
+    own = {t.name: t for t in cfg.eval.tasks}
+    out = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, path = item.partition("=")
+        if path:
+            out.append(TaskConfig(name=name, dataset=path))
+        elif name in own or name in READY:
+            out.append(own.get(name) or TaskConfig(name=name))
+        else:
+            known = ", ".join(own) or "none"
+            raise SetupError(f"--tasks: unknown task '{name}'; give one of the run's [[eval.tasks]] ({known}), a "
+                             f"ready task ({', '.join(READY)}), or NAME=FILE.jsonl")
+    if not out:
+        raise SetupError("--tasks is empty; name the tasks, e.g. --tasks hellaswag,arc_easy")
+    return out
+
+
+def load_model(cfg, path: str, mesh, device):
+    """The run's model built and sharded on mesh as in training (no recompute or compile; the run's
+    dtype), with the weights of checkpoint path (collective)."""
+    model = build_model(cfg.model, mesh, device, cfg.train.seed, cfg.parallel,
+                        dtype=compute_dtype(cfg.train, device))
+    state = get_model_state_dict(model)
+    read_model_weights(path, state, no_dist=False)
+    set_model_state_dict(model, state)
+    return model
+
+
+def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_sequences: int = 0,
+                 micro_batch_size: int = 0, overrides: list[str] = (), source: str = "", tasks: str = "") -> dict:
+    """Loss and perplexity, or downstream task scores, of a run's checkpoint (collective: every torchrun rank calls it).
+
+    source: one source of the run's mixture ('' : all). tasks: --tasks (task_configs); then the
+    result is {"eval/<task>/acc", "eval/<task>/acc_norm", "eval/<task>/examples", "checkpoint"}
+    (the first eval.limit examples of each; --eval.limit 0: all), else {"loss", "ppl", "tokens",
     "sequences", "split", "checkpoint"}. Raises a UserError (one line) for a bad run,
-    checkpoint or data source.
+    checkpoint, data source or task, before the process group starts where it can be known then.
     """
     run_cfg, path, tokenizer = load_run(run_dir, checkpoint)
     cfg = eval_config(run_cfg, run_dir, list(overrides))
     check_inputs(max_sequences, micro_batch_size)
+    task_cfg = dataclasses.replace(cfg.eval, tasks=task_configs(cfg, tasks)) if tasks else None
+    if task_cfg is not None:
+        check_tasks(task_cfg)
     rank, world, device = distributed.init_distributed(cfg.train.device)
     try:
-        data_dir = distributed.on_rank0(lambda: prepared_data(cfg, run_cfg, run_dir, tokenizer), rank)
-        corpus = PackedCorpus(data_dir, cfg.data)
-        windows = split_windows(corpus, split, max_sequences, source)
         micro = micro_batch_size or max(1, cfg.train.micro_batch(world))
-        # Inference: no recompute or compile; the run's dtype (mixed precision) stays.
         mesh = build_mesh(device, world)
-        model = build_model(cfg.model, mesh, device, cfg.train.seed, cfg.parallel,
-                            dtype=compute_dtype(cfg.train, device))
-        state = get_model_state_dict(model)
-        read_model_weights(path, state, no_dist=False)
-        set_model_state_dict(model, state)
-
-        vs = val_set(corpus, split, windows, micro, rank, world)  # sharded as training's validation
-        loss_sum, count = loss_sum_and_count(model, vs, device, mesh, dp_mesh(mesh).get_group(),
-                                             cfg.train.loss_chunk_size)
+        dp = dp_mesh(mesh)
+        if task_cfg is not None:
+            loaded = distributed.on_rank0(lambda: load_tasks(task_cfg, tokenizer, cfg.model.max_seq_len), rank)
+            model = load_model(cfg, path, mesh, device)
+            result = evaluate_tasks(model, loaded, device, mesh, dp.get_local_rank(), dp.size(), dp.get_group(),
+                                    micro * cfg.data.seq_len)
+            result.update({f"eval/{t.name}/examples": len(t.examples) for t in loaded})
+            result["checkpoint"] = path
+        else:
+            data_dir = distributed.on_rank0(lambda: prepared_data(cfg, run_cfg, run_dir, tokenizer), rank)
+            corpus = PackedCorpus(data_dir, cfg.data)
+            windows = split_windows(corpus, split, max_sequences, source)
+            model = load_model(cfg, path, mesh, device)
+            vs = val_set(corpus, split, windows, micro, rank, world)  # sharded as training's validation
+            loss_sum, count = loss_sum_and_count(model, vs, device, mesh, dp.get_group(), cfg.train.loss_chunk_size)
+            loss = loss_sum / count
+            result = {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(count),
+                      "sequences": len(windows), "split": split, "checkpoint": path}
         distributed.finish_distributed()
     finally:
         distributed.abandon_distributed()
-    loss = loss_sum / count
-    return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(count),
-            "sequences": len(windows), "split": split, "checkpoint": path}
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,10 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_sequences", type=count, default=0, help="only the split's first N windows (0: all)")
     p.add_argument("--micro_batch_size", type=count, default=0, help="windows per forward pass (0: the run's)")
     p.add_argument("--source", default="", help="one source of the run's [[data.sources]] (default: all)")
+    p.add_argument("--tasks", default="", help="score these downstream tasks instead of the loss: comma-separated "
+                   "names of the run's [[eval.tasks]], ready tasks (" + ", ".join(READY) + ") or NAME=FILE.jsonl; "
+                   "the first eval.limit examples of each (--eval.limit 0: all)")
     a, overrides = p.parse_known_args(argv)
     try:
         result = evaluate_run(a.run_dir, a.checkpoint, a.split, a.max_sequences, a.micro_batch_size, overrides,
-                              a.source)
+                              a.source, a.tasks)
     except UserError as e:
         report(e)
         return 2

@@ -124,3 +124,27 @@ def token_loss_sum(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.T
 def scalar(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a replicated DTensor scalar (loss_parallel's result), else t itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def token_logprobs(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                   vocab_parallel: bool = False) -> torch.Tensor:
+    """log p(targets[b, t] | inputs[b, :t + 1]) per position, fp32 (batch, seq); 0 where targets is -100.
+
+    Forward only (for downstream scoring). Without tensor parallelism only the positions with
+    a target go through the output projection (a continuation is a few tokens of a long row).
+    vocab_parallel (has_tp of the mesh; call inside loss_context): the logits are
+    vocabulary-sharded, all positions go through it, and loss_parallel's cross-entropy gives
+    the per-token values.
+    """
+    keep = targets != -100
+
+    def head(output, hidden):
+        if vocab_parallel:  # no boolean indexing of sequence-sharded activations
+            logits = output(hidden).float()
+            nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+            return scalar(nll).view_as(targets)
+        out = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+        out[keep] = F.cross_entropy(output(hidden[keep]).float(), targets[keep], reduction="none")
+        return out
+
+    return -model(inputs, head=head)

@@ -1,4 +1,4 @@
-"""Throughput, MFU, memory, and the run's metrics: metrics.jsonl and, optionally, TensorBoard."""
+"""Throughput, MFU, memory, and the run's metrics: metrics.jsonl and, optionally, TensorBoard and Weights & Biases."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,20 +10,39 @@ from typing import Callable
 
 import torch
 
-from errors import require
+from errors import ConfigError, require
 from rundir import RunDir
+from wandblog import WandbLog
 
 
 @dataclasses.dataclass
 class MetricsConfig:
     tensorboard: bool = False
     """Also write every metric to RUN_DIR/tensorboard/ (torch.utils.tensorboard; needs the tensorboard extra: pip install -e ".[tensorboard]")."""
+    wandb: bool = False
+    """Also log every metric to a Weights & Biases run, the same run on every resume (its id in RUN_DIR/wandb_run_id; WANDB_MODE=offline writes RUN_DIR/wandb/ only; needs the wandb extra: pip install -e ".[wandb]")."""
+    wandb_project: str = ""
+    """The W&B project (empty: WANDB_PROJECT, else W&B's default)."""
+    wandb_entity: str = ""
+    """The W&B user or team that owns the project (empty: WANDB_ENTITY, else your default entity)."""
+    wandb_run_name: str = ""
+    """The W&B run's display name (empty: the run directory's name)."""
+    wandb_group: str = ""
+    """A W&B group to put the run in, e.g. one per sweep (empty: none)."""
+
+    def __post_init__(self) -> None:
+        bad = set("/\\#?%:") & set(self.wandb_project)  # the characters W&B refuses in a project name
+        if bad or len(self.wandb_project) > 128:
+            raise ConfigError(f"metrics.wandb_project must be at most 128 characters without any of / \\ # ? % :, "
+                              f"got {self.wandb_project!r}; choose another name")
 
 
 def check_metrics(cfg: MetricsConfig) -> None:
-    """Raise MissingPackageError when cfg asks for TensorBoard and the tensorboard package is missing."""
+    """Raise MissingPackageError when cfg asks for TensorBoard or W&B and its package is missing."""
     if cfg.tensorboard:
         require("tensorboard", "tensorboard", "metrics.tensorboard = true", "set it to false")
+    if cfg.wandb:
+        require("wandb", "wandb", "metrics.wandb = true", "set it to false")
 
 
 # Dense bf16 peak per device, TFLOP/s, from the vendors' data sheets (SXM, without sparsity).
@@ -83,59 +102,79 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # ru_maxrss is KiB on Linux
 
 
+def scalars(record: dict) -> dict:
+    """The record's numeric values but its step: what TensorBoard and W&B are given (a bool is a flag, not a value)."""
+    return {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 class MetricsLog:
-    """One JSON object per record in <run_dir>/metrics.jsonl, and the same scalars in TensorBoard (rank 0 writes).
+    """One JSON object per record in <run_dir>/metrics.jsonl, its scalars in TensorBoard and W&B (rank 0 writes).
 
     resume_step: the step the run continues from. Records of later steps, left by a run
     that went on past its last checkpoint, are dropped first (atomically), so the file
     holds one train record per logged step after any number of resumes; TensorBoard's
-    events of those steps are purged the same way (purge_step). Raises MissingPackageError
-    when tensorboard is asked for but the package is missing (found before training by
-    check_metrics, through config.validate).
+    events of those steps are purged the same way (purge_step), and the W&B run is rewound
+    to resume_step (wandblog.WandbLog). metrics: the [metrics] section (None: neither);
+    config: the resolved config, the W&B run's config. Raises MissingPackageError when
+    TensorBoard or W&B is asked for but its package is missing (found before training by
+    check_metrics, through config.validate), SetupError when W&B cannot start the run.
     """
 
-    def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0, tensorboard: bool = False):
+    def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0, metrics: MetricsConfig | None = None,
+                 config: dict | None = None):
         self.path = RunDir(run_dir).metrics
         self.enabled = enabled
-        self.tb = None
+        self.tb = self.wandb = None
         if not enabled:
             return
-        self._drop_after(resume_step)
-        if tensorboard:
+        dropped = self._drop_after(resume_step)
+        metrics = metrics or MetricsConfig()
+        if metrics.tensorboard:
             check_metrics(MetricsConfig(tensorboard=True))
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(RunDir(run_dir).tensorboard, purge_step=resume_step + 1)
+        if metrics.wandb:
+            self.wandb = WandbLog(run_dir, metrics, config or {}, resume_step, rewind=dropped)
 
-    def _drop_after(self, step: int) -> None:
+    def _drop_after(self, step: int) -> bool:
+        """Drop the records of steps after step; True when a whole record was dropped (W&B may hold its step)."""
         if not os.path.exists(self.path):
-            return
+            return False
         with open(self.path) as f:
             lines = [line for line in f if line.strip()]
-        kept = []
+        kept, dropped = [], False
         for line in lines:
             try:
                 if json.loads(line).get("step", 0) <= step:
                     kept.append(line.rstrip("\n") + "\n")
-            except ValueError:  # a line cut by a crash mid-write: the run is resuming from before it
+                else:
+                    dropped = True
+            except ValueError:  # cut by a crash mid-write, before TensorBoard or W&B got it: resuming from before it
                 pass
         if kept != lines:
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
                 f.writelines(kept)
             os.replace(tmp, self.path)
+        return dropped
 
     def write(self, record: dict) -> None:
-        """Append record (with an int "step") to metrics.jsonl; its numeric values to TensorBoard at that step."""
+        """Append record (an int "step" and values) to metrics.jsonl; its numbers to TensorBoard and W&B at its step."""
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        values = scalars(record)
         if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.tb.add_scalar(key, value, record["step"])
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, record["step"])
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(record["step"], values)
 
     def close(self) -> None:
+        """Close TensorBoard's writer and finish the W&B run (which flushes it)."""
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

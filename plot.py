@@ -3,8 +3,10 @@
     python plot.py runs/a [runs/b ...] --out curves.png [--smooth N]
 
 Four panels: train and validation loss against tokens seen (any "val_loss/<name>" key as an extra
-dashed line), learning rate, tokens/s and MFU against step; one colour per run. matplotlib is
-imported only when drawing, so `import plot` and read_metrics work without it.
+dashed line), learning rate, tokens/s and MFU against step; one colour per run. Runs with
+downstream tasks (eval/<task>/acc and acc_norm records) get two more: acc and acc_norm
+against tokens seen, one marker per task. matplotlib is imported only when drawing, so
+`import plot` and read_metrics work without it.
 """
 from __future__ import annotations
 
@@ -32,9 +34,10 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     """(train records, validation records) of one metrics.jsonl, each a list of dicts sorted by step.
 
     A train record has "loss" plus TRAIN_KEYS; a validation record has "val_loss" and/or
-    "val_loss/<name>" keys and gets "tokens_seen" (tokens) from the train record of its step, else
-    step * (tokens per step of the run). Other records are ignored. A resumed run logs the steps
-    after its checkpoint again: the later record of a step wins.
+    "val_loss/<name>" keys, or downstream "eval/<task>/<metric>" keys (a step's validation and
+    downstream records are merged into one), and gets "tokens_seen" (tokens) from the train
+    record of its step, else step * (tokens per step of the run). Other records are ignored. A
+    resumed run logs the steps after its checkpoint again: the later record of a step wins.
     Raises PlotError if the file is missing or empty, a line is not a JSON object with an int
     "step" (or a train record lacks a numeric key), or there is no train record.
     """
@@ -58,8 +61,8 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
                     raise PlotError(f"{path} line {n}: train record lacks a number for {bad[0]!r}: "
                                     "fix or delete that line")
                 train[rec["step"]] = rec
-            elif any(k == "val_loss" or k.startswith("val_loss/") for k in rec):
-                val[rec["step"]] = rec
+            elif any(k == "val_loss" or k.startswith(("val_loss/", "eval/")) for k in rec):
+                val.setdefault(rec["step"], {}).update(rec)
     if not lines:
         raise PlotError(f"{path} is empty: the run has not logged a step yet; plot it after its first step")
     if not train:
@@ -111,8 +114,9 @@ def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int =
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
-    (ax_loss, ax_lr), (ax_tps, ax_mfu) = axes
+    tasks = sorted({k.split("/")[1] for _, _, val in runs for r in val for k in r if k.startswith("eval/")})
+    fig, axes = plt.subplots(2, 3 if tasks else 2, figsize=(18 if tasks else 12, 8), constrained_layout=True)
+    (ax_loss, ax_lr, *ax_acc), (ax_tps, ax_mfu, *ax_norm) = axes
     markers = "os^Dv<>p"
     for i, (label, train, val) in enumerate(runs):
         color = f"C{i % 10}"
@@ -135,6 +139,12 @@ def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int =
         ax_lr.plot(steps, [r["lr"] for r in train], color=color, label=label)
         ax_tps.plot(steps, [r["tokens_per_sec"] for r in train], color=color, label=label)
         ax_mfu.plot(steps, [100 * r["mfu"] for r in train], color=color, label=label)
+        for ax, metric in zip(ax_acc + ax_norm, ("acc", "acc_norm")):
+            for j, task in enumerate(tasks):
+                pts = [(r["tokens_seen"], 100 * r[key]) for r in val if _is_number(r.get(key := f"eval/{task}/{metric}"))]
+                if pts:
+                    ax.plot(*zip(*pts), color=color, marker=markers[j % len(markers)], ms=6, mec="white",
+                            label=f"{label} {task}")
     ax_loss.set(title="Loss", xlabel="tokens seen", ylabel="cross-entropy (nats/token)")
     ax_loss.xaxis.set_major_formatter(FuncFormatter(_tokens))
     ax_loss.legend(fontsize=8, loc="best")
@@ -143,6 +153,10 @@ def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int =
     ax_tps.set(title="Throughput", xlabel="step", ylabel="tokens/s (all ranks)")
     ax_tps.yaxis.set_major_formatter(FuncFormatter(_tokens))
     ax_mfu.set(title="MFU", xlabel="step", ylabel="MFU (%)")
+    for ax, metric in zip(ax_acc + ax_norm, ("acc", "acc_norm")):
+        ax.set(title=f"Downstream {metric}", xlabel="tokens seen", ylabel=f"{metric} (%)")
+        ax.xaxis.set_major_formatter(FuncFormatter(_tokens))
+        ax.legend(fontsize=8, loc="best")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(", ".join(label for label, _, _ in runs))

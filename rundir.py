@@ -6,6 +6,8 @@
     DIR/checkpoints/      DCP checkpoints, step_<N>/ (see checkpoint.py), unless checkpoint.dir puts them elsewhere
     DIR/metrics.jsonl     one JSON record per logged step and per validation
     DIR/tensorboard/      the same scalars as TensorBoard events (metrics.tensorboard)
+    DIR/wandb/            Weights & Biases' own folder of the run (metrics.wandb; wandb.init(dir=DIR) writes it)
+    DIR/wandb_run_id      the W&B run's id, so that every start of the run logs to the same W&B run
     DIR/profile/          torch.profiler traces (train.profile_steps)
     DIR/eval_data/<hash>/ another source tokenized by evaluate.py with the run's tokenizer
     DIR/.lock             held by the running job (checkpoint.lock_run_dir)
@@ -60,6 +62,15 @@ class RunDir:
     @property
     def tensorboard(self) -> str:
         return self._path("tensorboard")
+
+    @property
+    def wandb(self) -> str:
+        """The folder W&B writes its run folders in: wandb.init(dir=root) makes root/wandb, not a path of ours."""
+        return self._path("wandb")
+
+    @property
+    def wandb_id(self) -> str:
+        return self._path("wandb_run_id")
 
     @property
     def profile(self) -> str:

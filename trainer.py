@@ -36,6 +36,7 @@ from checkpoint import (
 )
 from config import Config, check_tokenizer, compute_dtype, parse_config, validate
 from data import PackedCorpus, mixture_note
+from downstream import Task, evaluate_tasks, load_tasks
 from errors import PeerError, SetupError, TrainingError, UserError, report
 from loader import DataState, GlobalBatchLoader
 from loss import applied_chunk_size, has_tp, loss_context, scalar, token_loss_sum
@@ -192,6 +193,8 @@ class Session(Trainable):
     resumed_from: str | None
     resume_note: str = ""
     """What changed since the checkpoint that the run carries over (for the start-up line)."""
+    tasks: list[Task] = dataclasses.field(default_factory=list)
+    """The [[eval.tasks]], read and tokenized."""
 
 
 def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan: TPPlan | None = None,
@@ -247,12 +250,14 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
         return path, "; ".join(n for n in (note, mix) if n)
 
     path, note = distributed.on_rank0(find_resume, rank) if resume else (None, "")
+    tasks = distributed.on_rank0(lambda: load_tasks(cfg.eval, RunDir(cfg.run_dir).tokenizer, cfg.model.max_seq_len),
+                                 rank) if cfg.eval.tasks else []
     if path is not None:
         ckpt.load(path, app)
     elif cfg.init_from_hf:  # every rank reads the folder and keeps its own shards: no communication
         hf.load_hf_into(tr.model, cfg.init_from_hf, copy_=copy_sharded)
     return Session(**vars(tr), corpus=corpus, loader=loader, micro_batch_size=micro, ckpt=ckpt, app=app, meta=meta,
-                   resumed_from=path, resume_note=note)
+                   resumed_from=path, resume_note=note, tasks=tasks)
 
 
 # ---------------------------------------------------------------- the loop
@@ -298,7 +303,7 @@ def train(s: Session) -> int:
     peak = torch.tensor([device_peak_flops(device)], dtype=torch.float64)
     dist.all_reduce(peak)  # the run's peak is the sum of its ranks' peaks
     peak_total = peak.item()
-    log = MetricsLog(cfg.run_dir, rank == 0, train_state.step, cfg.metrics.tensorboard)
+    log = MetricsLog(cfg.run_dir, rank == 0, train_state.step, cfg.metrics, dataclasses.asdict(cfg))
     val = val_batches(s.corpus, cfg.train.val_batches * cfg.train.global_batch_size, s.micro_batch_size,
                       data_parallel.get_local_rank(), dp)
     if rank == 0:
@@ -352,6 +357,11 @@ def train(s: Session) -> int:
             record = val_record(val_losses, val)
             log.write({"step": step, **record})
             progress.write(f"[val] step {step}: val_loss {record['val_loss']:.4f}")
+        if cfg.eval.due(step, cfg.train.steps):
+            record = evaluate_tasks(s.model, s.tasks, device, mesh, data_parallel.get_local_rank(), dp,
+                                    data_parallel.get_group(), s.micro_batch_size * cfg.data.seq_len)
+            log.write({"step": step, **record})
+            progress.write(f"[eval] step {step}: " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in record.items()))
         if step % cfg.checkpoint.interval == 0 or step == cfg.train.steps:
             ckpt.save(step, s.app)
         stopped_by = stop.any_rank()

@@ -1,4 +1,4 @@
-"""Shared test set-up: offline Hugging Face, the project root importable, CPU only."""
+"""Shared test set-up: offline Hugging Face and W&B, the project root importable, CPU only."""
 import os
 import sys
 
@@ -8,6 +8,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# Weights & Biases never goes online from a test, whatever the machine's settings (metrics.wandb).
+os.environ["WANDB_MODE"] = "offline"
+os.environ["WANDB_SILENT"] = "true"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

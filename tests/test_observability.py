@@ -1,4 +1,4 @@
-"""What a run shows: metrics.jsonl and TensorBoard stay one record per step across resumes, plain log
+"""What a run shows: metrics.jsonl, TensorBoard and W&B stay one record per step across resumes, plain log
 lines without a terminal, profiles, one error line under torchrun, and the small pieces behind them."""
 import json
 import os
@@ -15,6 +15,7 @@ from errors import ConfigError
 from launch import DEBUG, ROOT, debug_run, metrics, prepared_data_dir, torchrun
 from metrics import MetricsLog
 from progress import Progress
+from wandb_files import by_step, offline_runs, rewound_history
 
 FAST = ["--train.val_interval", "0", "--train.seed", "0"]
 
@@ -102,12 +103,13 @@ def test_a_second_ctrl_c_aborts_but_the_forwarded_copy_does_not():
 
 
 @pytest.mark.slow
-def test_resume_keeps_metrics_and_tensorboard_one_record_per_step_and_logs_plain_lines(tmp_path):
+def test_resume_keeps_metrics_tensorboard_and_wandb_one_record_per_step_and_logs_plain_lines(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    pytest.importorskip("wandb")
     rd = tmp_path / "run"
     prepared_data_dir(rd)
     args = ["--train.steps", "6", "--checkpoint.interval", "3", "--checkpoint.keep", "0", "--metrics.tensorboard",
-            "true", *FAST]
+            "true", "--metrics.wandb", "true", *FAST]  # W&B offline (conftest)
     first = debug_run(1, rd, *args)
     # Lose the step-6 checkpoint: the same command resumes from step 3 and logs steps 4-6 again.
     ckpts = rd / "checkpoints"
@@ -119,6 +121,12 @@ def test_resume_keeps_metrics_and_tensorboard_one_record_per_step_and_logs_plain
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
     assert {"lr", "grad_norm", "tokens_per_sec", "mfu", "peak_mem_gib"} <= set(acc.Tags()["scalars"])
+    # W&B: one offline folder per start, of one run id; the resume rewound the run to step 3.
+    runs = offline_runs(rd)
+    assert [[r["step"] for r in rows] for _, rows in runs] == [[1, 2, 3, 4, 5, 6], [4, 5, 6]]
+    assert len({run["run_id"] for run, _ in runs}) == 1 and runs[1][0]["branch_point"]["value"] == 3
+    assert rewound_history(runs) == by_step(metrics(rd))
+    assert runs[1][0]["config"]["update"]["train"]["steps"] == 6  # the resolved config
     for out in (first, second):  # captured: no terminal
         assert "\r" not in out.stdout + out.stderr
     assert "step 6/6 | loss " in second.stdout and "[train] finished: step 6 of 6" in second.stdout

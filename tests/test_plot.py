@@ -10,7 +10,7 @@ from launch import refused
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, seed=0.0):
+def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, seed=0.0, tasks=()):
     """A metrics.jsonl like the trainer's: n_train train records, a validation record at each of val_steps."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -24,6 +24,9 @@ def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, see
             if extra_val:
                 rec["val_loss/code"] = 8.2 - step / 10
             lines.append(rec)
+            if tasks:  # the loop writes downstream scores as a record of their own, after validation's
+                lines.append({"step": step, **{f"eval/{t}/{m}": 0.25 + step / 200 + i / 20 for i, t in enumerate(tasks)
+                                               for m in ("acc", "acc_norm")}})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return run_dir
 
@@ -32,6 +35,12 @@ def test_read_metrics_fills_validation_tokens(tmp_path):
     train, val = plot.read_metrics(str(_write_run(tmp_path / "a", extra_val=True) / "metrics.jsonl"))
     assert len(train) == 30 and [r["step"] for r in val] == [10, 20, 30]
     assert [r["tokens_seen"] for r in val] == [20480, 40960, 61440] and "val_loss/code" in val[0]
+
+
+def test_downstream_records_join_their_steps_validation(tmp_path):
+    _, val = plot.read_metrics(str(_write_run(tmp_path / "a", tasks=("mc", "arc")) / "metrics.jsonl"))
+    assert [r["step"] for r in val] == [10, 20, 30] and val[1]["tokens_seen"] == 40960
+    assert val[1]["val_loss"] == 6.0 and val[1]["eval/mc/acc"] == 0.35 and val[1]["eval/arc/acc_norm"] == pytest.approx(0.4)
 
 
 def test_labels_and_smoothing():
@@ -46,13 +55,14 @@ def test_two_runs_make_a_png(tmp_path, capsys):
     from matplotlib.image import imread
 
     a = _write_run(tmp_path / "runs" / "a")
-    b = _write_run(tmp_path / "runs" / "b", extra_val=True, seed=1.0)
+    b = _write_run(tmp_path / "runs" / "b", extra_val=True, seed=1.0, tasks=("mc", "arc"))
     out = tmp_path / "new" / "dir" / "curves.png"  # the parent is created
     assert plot.main([str(a), str(b), "--out", str(out), "--smooth", "5"]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {out} (2 runs, 60 train records)"
     assert out.read_bytes()[:8] == PNG_MAGIC
     image = imread(str(out))
     assert image.ndim == 3 and image.shape[2] in (3, 4) and image.shape[0] >= 400 and image.shape[1] >= 600
+    assert image.shape[1] > 1.4 * image.shape[0]  # a third column of panels: downstream acc and acc_norm
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

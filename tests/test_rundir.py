@@ -7,9 +7,9 @@ from rundir import RunDir
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The run directory's own entries. The files inside a prepared data directory (tokenizer.json,
 # meta.json, token files) are that directory's layout, which prepare.py owns.
-FILES = {"metrics.jsonl", "config.toml", ".lock", "exit.json"}
+FILES = {"metrics.jsonl", "config.toml", ".lock", "exit.json", "wandb_run_id"}
 """Spelled nowhere else at all."""
-FOLDERS = {"checkpoints", "tensorboard", "profile", "eval_data", "data"}
+FOLDERS = {"checkpoints", "tensorboard", "profile", "eval_data", "data", "wandb"}
 """Words with other meanings too (a package, a config section): never joined onto a path elsewhere."""
 
 
@@ -19,6 +19,7 @@ def test_the_layout_is_the_documented_one(tmp_path):
     assert run.config == str(tmp_path / "config.toml") and run.tokenizer == str(tmp_path / "data" / "tokenizer.json")
     assert run.data == str(tmp_path / "data") and run.eval_data("ab") == str(tmp_path / "eval_data" / "ab")
     assert run.exit_record == str(tmp_path / "exit.json") and run.lock == str(tmp_path / ".lock")
+    assert run.wandb == str(tmp_path / "wandb") and run.wandb_id == str(tmp_path / "wandb_run_id")
 
 
 def test_no_module_spells_a_run_directory_path_of_its_own():

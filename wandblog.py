@@ -1,0 +1,89 @@
+"""metrics.jsonl's records in Weights & Biases (metrics.wandb): one W&B run per run directory, continued on resume.
+
+The run's id is kept in RUN_DIR/wandb_run_id, so every start of the run directory logs to
+the same W&B run. A start that resumes from a step before the last one logged (the run
+went past its last checkpoint before it was killed) rewinds the W&B run to that step
+(``resume_from="ID?_step=N"``), as metrics.jsonl drops those records and TensorBoard purges
+them: the steps are logged again and W&B holds one row per step. Offline
+(``WANDB_MODE=offline``) each start writes its own RUN_DIR/wandb/offline-run-<time>-<ID>/
+folder, the rewind recorded in it as the run's branch point; ``wandb sync`` uploads the
+folders in order of start time.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import string
+import sys
+from typing import TYPE_CHECKING
+
+from errors import SetupError, one_line, require
+from rundir import RunDir
+
+if TYPE_CHECKING:
+    from metrics import MetricsConfig
+
+
+def run_id(run_dir: str) -> str:
+    """The W&B run id of run_dir: 8 random base-36 digits (as W&B makes them), written on the first start (atomically).
+
+    Raises SetupError naming the id file when it holds no usable id (empty, or a character W&B refuses).
+    """
+    path = RunDir(run_dir).wandb_id
+    if os.path.exists(path):
+        with open(path) as f:
+            found = f.read().strip()
+        if not found or any(c in found for c in ":;,#?/' \t\n"):  # W&B's reserved characters, and blanks
+            raise SetupError(f"{path} holds {found!r}, not a W&B run id; put the run's id in it (the last part "
+                             f"of its URL), or delete the file to start a new W&B run")
+        return found
+    found = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(found + "\n")
+    os.replace(tmp, path)
+    return found
+
+
+class WandbLog:
+    """The W&B run of a run directory (rank 0 only): log(step, values), finish().
+
+    metrics: the [metrics] section (project, entity, run name, group). config: the resolved
+    config, stored as the W&B run's config (the latest start's values win). resume_step: the
+    step this start continues from; rewind: whether an earlier start logged steps after it
+    (metrics.jsonl held them), which makes this start rewind the W&B run to resume_step.
+    W&B's rewind is a preview feature of its server: where the server refuses it, the run is
+    continued without it (W&B then keeps its first rows of the steps logged again) and one
+    notice says so. Raises MissingPackageError without the wandb package, SetupError when
+    W&B cannot start the run (no login, say) or the id file is bad.
+    """
+
+    def __init__(self, run_dir: str, metrics: MetricsConfig, config: dict, resume_step: int, rewind: bool):
+        wandb = require("wandb", "wandb", "metrics.wandb = true", "set it to false")
+        rid = run_id(run_dir)
+        base = dict(project=metrics.wandb_project or None, entity=metrics.wandb_entity or None,
+                    name=metrics.wandb_run_name or os.path.basename(os.path.abspath(run_dir)),
+                    group=metrics.wandb_group or None, dir=RunDir(run_dir).root, config=config,
+                    allow_val_change=True)  # a resumed run may change train.steps, say
+        try:
+            if rewind:
+                try:
+                    self.run = wandb.init(**base, resume_from=f"{rid}?_step={resume_step}")
+                    return
+                except wandb.Error as e:
+                    print(f"[wandb] notice: W&B refused to rewind run {rid} to step {resume_step} ({one_line(e)}); "
+                          f"continuing it instead, so W&B keeps the earlier values of the steps after "
+                          f"{resume_step} (metrics.jsonl holds the new ones)", file=sys.stderr, flush=True)
+            self.run = wandb.init(**base, id=rid, resume="allow")
+        except wandb.Error as e:
+            raise SetupError(f"metrics.wandb = true: W&B could not start run {rid} ({one_line(e)}); run `wandb "
+                             f"login`, set WANDB_MODE=offline, or set metrics.wandb = false") from None
+
+    def log(self, step: int, values: dict) -> None:
+        """Log values ({name: number}) at step; the values of one step logged in several calls make one W&B row."""
+        self.run.log(values, step=step)
+
+    def finish(self) -> None:
+        """Finish the W&B run (flushes it: offline, the run's .wandb file is complete after this)."""
+        self.run.finish()
+
