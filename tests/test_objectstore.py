@@ -4,8 +4,11 @@ another world size from the bucket, with a store outage in the middle, equals th
 two torchrun agents as two nodes share nothing but the bucket."""
 import os
 import sys
+import threading
+import time
 
 import pytest
+import s3fs
 import torch
 
 import checkpoint as ckpt_lib
@@ -95,6 +98,21 @@ def test_storage_reads_writes_lists_and_removes_on_the_server(s3):
     assert storage.read_bytes(f"{root}/a/x.bin") == b"123"
     storage.remove(f"{root}/a")
     assert not storage.exists(f"{root}/a/x.bin")
+
+
+def test_a_store_gone_for_a_moment_is_retried_with_backoff(s3, monkeypatch):
+    relay = Relay(int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{relay.port}")
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec keeps one instance per settings, not per endpoint variable
+    try:
+        relay.down()
+        threading.Timer(1.5, relay.up).start()
+        started = time.monotonic()
+        storage.write_bytes(f"s3://{BUCKET}/retried/x", b"1")  # botocore retries until the relay is back
+        assert time.monotonic() - started >= 1.0 and storage.read_bytes(f"s3://{BUCKET}/retried/x") == b"1"
+    finally:
+        relay.down()
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def _weights(path: str) -> dict[str, torch.Tensor]:
