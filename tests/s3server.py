@@ -67,7 +67,12 @@ class Relay:
     def down(self) -> None:
         """Connections are refused and open ones reset, as when a store's endpoint is gone."""
         listener, self._listener = self._listener, None
-        listener.close()
+        if listener is not None:
+            try:  # shutdown, not close alone: a thread blocked in accept() would keep the socket listening
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
         for c in self._conns:
             try:
                 c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
