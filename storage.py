@@ -94,7 +94,10 @@ def check_location(path: str, field: str) -> None:
         return
     if scheme(path) == "s3":
         require("s3fs", "s3", f"{field} {path}")
-    fs, inner = filesystem(path)
+    try:
+        fs, inner = filesystem(path)
+    except StorageError as e:
+        raise StorageError(f"{field} {e}") from None
     if scheme(path) != "s3":
         return
     import botocore.session  # s3fs depends on botocore: present once filesystem() succeeded
