@@ -1,12 +1,17 @@
 """Checkpoints through torch.distributed.checkpoint (DCP): one call saves everything.
 
-Layout under ``<run_dir>/checkpoints/``::
+Layout under checkpoint.dir (default ``<run_dir>/checkpoints/``)::
 
-    step_00000010/        committed: complete on every rank (has DCP's .metadata)
-    step_00000015.tmp/    being written, or left by a crash: never loaded, removed on start
+    step_00000010/        committed: complete on every rank (DCP's .metadata, config.toml, .committed)
+    step_00000015.tmp/    local: being written, or left by a crash: never loaded, removed on start
+    step_00000020/        on a URL without .committed: being written or left by a crash, likewise
 
-A checkpoint is written under ``.tmp`` and renamed by rank 0 only after DCP's finish step,
-which runs after every rank's writes, so a directory without ``.tmp`` is always complete.
+A local checkpoint is written under ``.tmp`` and renamed by rank 0 only after DCP's finish
+step, which runs after every rank's writes, so a directory without ``.tmp`` is always
+complete. An object store (checkpoint.dir = s3://bucket/prefix, see storage.py) has no
+atomic rename: the step is written in place and rank 0 writes the ``.committed`` marker
+last, inside DCP's finish step (after every rank's writes and the metadata), so a step
+without the marker is never loaded and a failure to commit reaches every rank.
 One DCP save holds the model, the optimizer, the LR schedule, the train state, the data
 loader's global position and each rank's RNG state. Model and optimizer go through
 ``get_state_dict``/``set_state_dict`` as sharded DTensors keyed by the unwrapped module's
@@ -33,10 +38,13 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+import storage
 from errors import ConfigError, UserError, one_line
 from rundir import CONFIG_FILE, RunDir
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+COMMIT_MARKER = ".committed"
+"""Written last into every checkpoint by rank 0; on a URL a step without it is incomplete."""
 
 
 class CheckpointError(UserError):
@@ -45,6 +53,8 @@ class CheckpointError(UserError):
 
 @dataclasses.dataclass
 class CheckpointConfig:
+    dir: str = ""
+    """Where checkpoints go: a local directory or a URL such as s3://BUCKET/PREFIX (endpoint and credentials from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION); empty: RUN_DIR/checkpoints."""
     interval: int = 500
     """Save every this many optimizer steps (and always at the end of training)."""
     keep: int = 3
@@ -52,13 +62,17 @@ class CheckpointConfig:
     async_save: bool = False
     """Write checkpoints in a background thread while training goes on (state staged to CPU first)."""
     load_from: str = ""
-    """Start from this checkpoint directory (e.g. another run's) while the run directory has no checkpoint of its own; once it has, a re-run resumes from its own newest, so the same command survives preemption."""
+    """Start from this checkpoint directory or URL (e.g. another run's) while the run directory has no checkpoint of its own; once it has, a re-run resumes from its own newest, so the same command survives preemption."""
 
     def __post_init__(self) -> None:
         if self.interval <= 0:
             raise ConfigError(f"checkpoint.interval must be > 0, got {self.interval}")
         if self.keep < 0:
             raise ConfigError(f"checkpoint.keep must be >= 0, got {self.keep}")
+
+    def root(self, run_dir: str) -> str:
+        """The checkpoints directory or URL of a run: checkpoint.dir, else RunDir(run_dir).checkpoints."""
+        return self.dir.rstrip("/") if self.dir else RunDir(run_dir).checkpoints
 
 
 @dataclasses.dataclass
@@ -115,31 +129,40 @@ class AppState(Stateful):
 
 
 def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:08d}")
+    """The directory (or URL) of step's checkpoint under root."""
+    return storage.join(root, f"step_{step:08d}") if root else f"step_{step:08d}"
+
+
+def is_complete(path: str) -> bool:
+    """Whether the checkpoint at path is committed: local, DCP's .metadata (renamed in whole); URL, the marker."""
+    return storage.isfile(storage.join(path, COMMIT_MARKER if storage.is_url(path) else ".metadata"))
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
-    """Committed checkpoints under root as [(step, path)], oldest first ('.tmp' ones excluded)."""
-    if not os.path.isdir(root):
-        return []
-    out = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, ".metadata")):
-            out.append((int(m.group(1)), path))
-    return sorted(out)
+    """Committed checkpoints under root (a directory or URL) as [(step, path)], oldest first.
+
+    Local '.tmp' directories and, on a URL, steps without COMMIT_MARKER are left out.
+    """
+    found = [(int(m.group(1)), storage.join(root, name)) for name in storage.listdir(root)
+             for m in [_STEP_DIR.match(name)] if m]
+    return sorted((step, path) for step, path in found if is_complete(path))
 
 
 def read_metadata(path: str):
-    """DCP metadata of a checkpoint; raises CheckpointError naming the file if unreadable."""
-    meta_file = os.path.join(path, ".metadata")
-    if not os.path.isfile(meta_file):
-        raise CheckpointError(f"checkpoint '{path}': no .metadata file; it is not a complete DCP checkpoint")
+    """DCP metadata of a checkpoint (a directory or URL); raises CheckpointError naming the file if unreadable
+    or, on a URL, if the checkpoint was never committed."""
+    meta_file = storage.join(path, ".metadata")
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        if not storage.isfile(meta_file):
+            raise CheckpointError(f"checkpoint '{path}': no .metadata file; it is not a complete DCP checkpoint")
+        if storage.is_url(path) and not storage.isfile(storage.join(path, COMMIT_MARKER)):
+            raise CheckpointError(f"checkpoint '{path}' has no {COMMIT_MARKER} marker: its save never finished; "
+                                  f"pick another checkpoint")
+        return (storage.dcp_reader(path) or dcp.FileSystemReader(path)).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as e:  # pickle or IO errors of any kind
-        raise CheckpointError(f"checkpoint '{path}': cannot read '{meta_file}': {e}") from e
+        raise CheckpointError(f"checkpoint '{path}': cannot read '{meta_file}': {one_line(e)}") from e
 
 
 def check_compatible(path: str, model_shapes: dict[str, torch.Size]) -> None:
@@ -150,7 +173,7 @@ def check_compatible(path: str, model_shapes: dict[str, torch.Size]) -> None:
     meta = read_metadata(path)
     for info in (meta.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
-        if rel and not os.path.isfile(os.path.join(path, rel)):
+        if rel and not storage.isfile(storage.join(path, rel)):
             raise CheckpointError(f"checkpoint '{path}' is incomplete: '{rel}' is missing; resume from another "
                                   f"checkpoint with --checkpoint.load_from, or delete this one")
     saved = {k[len("app.model."):]: tuple(v.size) for k, v in meta.state_dict_metadata.items()
@@ -174,12 +197,11 @@ def saved_config(path: str) -> dict:
 
     Raises CheckpointError naming the file if it cannot be read.
     """
-    saved_file = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(saved_file):
-        return {}
+    saved_file = storage.join(path, CONFIG_FILE)
     try:
-        with open(saved_file, "rb") as f:
-            return tomllib.load(f)
+        return tomllib.loads(storage.read_bytes(saved_file).decode())
+    except FileNotFoundError:
+        return {}
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise CheckpointError(f"checkpoint '{path}': cannot read '{saved_file}': {e}") from e
 
@@ -227,9 +249,8 @@ def lock_run_dir(run_dir: str):
     return f
 
 
-def newest_checkpoint(run_dir: str) -> str:
-    """The newest complete checkpoint of a run directory; CheckpointError if it has none."""
-    root = RunDir(run_dir).checkpoints
+def newest_checkpoint(root: str) -> str:
+    """The newest complete checkpoint under root (a run's checkpoint directory or URL); CheckpointError if none."""
     found = complete_checkpoints(root)
     if not found:
         raise CheckpointError(f"no complete checkpoint in '{root}'")
@@ -248,7 +269,8 @@ def read_model_weights(path: str, state_dict: dict[str, torch.Tensor], no_dist: 
     with warnings.catch_warnings():  # DCP warns that it assumes one process, which is the point
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
-            dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, no_dist=no_dist)
+            dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, storage_reader=storage.dcp_reader(path),
+                     no_dist=no_dist)
         except (CheckpointException, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
             # A truncated or overwritten shard file: the metadata was fine, the data is not.
             raise CheckpointError(f"checkpoint '{path}' is damaged, its weights cannot be read "
@@ -260,16 +282,21 @@ class Checkpointer:
 
     save() is collective (all ranks call it at the same step). With async_save the write
     runs in a background thread on a dedicated gloo group; at most one save is in flight,
-    and rank 0 commits it (rename, then keep-k pruning) once DCP reports it finished.
+    and rank 0 commits it (local: rename; URL: the marker, inside DCP's finish step), then
+    prunes to checkpoint.keep, once DCP reports it finished. root: a directory or a URL.
+    A save that fails (a full disk, a store that stays down) raises CheckpointError on
+    every rank naming root and the last complete checkpoint, which stays as it was.
     """
 
     def __init__(self, cfg: CheckpointConfig, root: str, rank: int, config_text: str | None = None):
         self.cfg = cfg
         self.config_text = config_text  # the run's resolved config, written into every checkpoint
-        self.root = root  # the run's checkpoints directory (RunDir.checkpoints)
+        self.root = root  # the run's checkpoints directory (RunDir.checkpoints) or URL (checkpoint.dir)
+        self.remote = storage.is_url(root)
         self.rank = rank
         self._pending: tuple[Future, str, str] | None = None
         self._last_step = -1  # the same on every rank, unlike a directory listing during a commit
+        self.last_complete = ""  # the newest checkpoint known complete (loaded or committed), for error messages
         self._async_group = dist.new_group(backend="gloo") if cfg.async_save else None
         # One stager for the whole run: it keeps its CPU copy between saves, so the loop blocks
         # only for a memcpy, not for allocating (and faulting in) a fresh copy every time.
@@ -281,12 +308,22 @@ class Checkpointer:
                                                         use_async_staging=False, use_non_blocking_copy=False))
 
     def clean_partial(self) -> None:
-        """Remove '.tmp' directories left by a crash (rank 0; call before the first save).
+        """Remove what a crash left (rank 0; call before the first save): local '.tmp' directories, and on a
+        URL the steps without a commit marker.
 
         Raises CheckpointError, before anything is trained, when checkpoints/ or an entry named
         like a checkpoint is not a directory: a later save would fail there.
         """
-        if self.rank != 0 or not os.path.lexists(self.root):
+        if self.rank != 0:
+            return
+        if self.remote:
+            for name in storage.listdir(self.root):
+                path = storage.join(self.root, name)
+                if _STEP_DIR.match(name) and not is_complete(path):
+                    print(f"[checkpoint] removing {path}: its save never finished (no {COMMIT_MARKER})", flush=True)
+                    storage.remove(path)
+            return
+        if not os.path.lexists(self.root):
             return
         if not os.path.isdir(self.root):
             raise CheckpointError(f"'{self.root}' is not a directory; move it away so checkpoints can be saved there")
@@ -308,7 +345,7 @@ class Checkpointer:
             if not found:  # once the run has its own, the source may be gone: only read it when it is used
                 read_metadata(self.cfg.load_from)
                 return self.cfg.load_from
-            if os.path.realpath(found[-1][1]) != os.path.realpath(self.cfg.load_from):
+            if _differ(found[-1][1], self.cfg.load_from):
                 print(f"[checkpoint] {self.root} has checkpoints of its own: resuming from the newest, "
                       f"{found[-1][1]}, not checkpoint.load_from; to go back to an older one, move the newer "
                       f"ones out of {self.root}", flush=True)
@@ -318,30 +355,39 @@ class Checkpointer:
         """Load path into state in place (collective). The caller checks compatibility first."""
         target = _Loading(state, set(read_metadata(path).state_dict_metadata))
         try:
-            dcp.load({"app": target}, checkpoint_id=path)
+            dcp.load({"app": target}, checkpoint_id=path, storage_reader=storage.dcp_reader(path))
         except CheckpointException as e:  # DCP gathers every rank's failure, so all ranks get here
             failures = "; ".join(f"rank {r}: {type(err[0]).__name__}: {str(err[0])[:80]}"
                                  for r, err in sorted(e.failures.items())[:2])
             raise CheckpointError(f"checkpoint '{path}' is damaged, it cannot be read ({failures}); resume from "
                                   f"another one with --checkpoint.load_from, or move this one away") from e
         self._last_step = state.train_state.step
+        self.last_complete = path
 
     def save(self, step: int, state: AppState) -> None:
-        """Write a checkpoint for step (collective); commit it at once or, async, when done."""
+        """Write a checkpoint for step (collective); commit it at once or, async, when done.
+
+        Raises CheckpointError on every rank when the write or the commit fails (see the class).
+        """
         if step == self._last_step:
             return  # e.g. the final save right after an interval save
         self.wait()
         self._last_step = step
-        os.makedirs(self.root, exist_ok=True)
         final = step_dir(self.root, step)
-        tmp = final + ".tmp"
-        if self.cfg.async_save:
-            fut = dcp.async_save({"app": state}, checkpoint_id=tmp, process_group=self._async_group,
-                                 async_stager=self._stager)
-            self._pending = (fut, tmp, final)
-        else:
-            dcp.save({"app": state}, checkpoint_id=tmp)
-            self._commit(tmp, final)
+        target = final if self.remote else final + ".tmp"  # an object store has no rename: write in place
+        writer = storage.dcp_writer(target, after_finish=lambda: self._write_marker(final))
+        if not self.remote:
+            os.makedirs(self.root, exist_ok=True)
+        try:
+            if self.cfg.async_save:
+                fut = dcp.async_save({"app": state}, checkpoint_id=target, storage_writer=writer,
+                                     process_group=self._async_group, async_stager=self._stager)
+                self._pending = (fut, target, final)
+            else:
+                dcp.save({"app": state}, checkpoint_id=target, storage_writer=writer)
+                self._commit(target, final)
+        except (CheckpointException, OSError) as e:
+            raise self._failed(step, e) from None
 
     def poll(self) -> None:
         """Commit a finished asynchronous save without waiting for an unfinished one."""
@@ -349,36 +395,66 @@ class Checkpointer:
             self.wait()
 
     def wait(self) -> None:
-        """Block until the in-flight asynchronous save (if any) is written, then commit it."""
+        """Block until the in-flight asynchronous save (if any) is written, then commit it.
+
+        Raises CheckpointError when that save failed.
+        """
         if self._pending is None:
             return
         fut, tmp, final = self._pending
         self._pending = None
-        fut.result()
-        self._commit(tmp, final)
+        try:
+            fut.result()
+            self._commit(tmp, final)
+        except (CheckpointException, OSError) as e:
+            raise self._failed(self._last_step, e) from None
 
     def close(self) -> None:
         """Finish the in-flight save and free the asynchronous staging copy."""
-        self.wait()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _failed(self, step: int, e: BaseException) -> CheckpointError:
+        last = self.last_complete or "none yet"
+        return CheckpointError(f"saving the checkpoint of step {step} to {self.root} failed ({one_line(e)}); the "
+                               f"last complete checkpoint, {last}, is untouched; the run stops here: fix the store "
+                               f"or disk, then run the same command to resume from it")
+
+    def _write_marker(self, final: str) -> None:
+        """Rank 0, inside DCP's finish step of a URL save: config.toml, then the commit marker, last."""
+        if self.config_text is not None:
+            storage.write_bytes(storage.join(final, CONFIG_FILE), self.config_text.encode())
+        storage.write_bytes(storage.join(final, COMMIT_MARKER), b"")
 
     def _commit(self, tmp: str, final: str) -> None:
+        self.last_complete = final
         if self.rank != 0:
             return
-        if self.config_text is not None:
-            with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-                f.write(self.config_text)
-        if os.path.exists(final):
-            if os.path.isfile(os.path.join(final, ".metadata")):
-                raise CheckpointError(f"checkpoint '{final}' exists already; does another run write to this run "
-                                      f"directory?")
-            shutil.rmtree(final)  # a step directory without .metadata: what is left of a broken or deleted one
-        os.replace(tmp, final)
+        if not self.remote:
+            if self.config_text is not None:
+                with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+                    f.write(self.config_text)
+            open(os.path.join(tmp, COMMIT_MARKER), "w").close()  # so a copy to a store reads as committed
+            if os.path.exists(final):
+                if os.path.isfile(os.path.join(final, ".metadata")):
+                    raise CheckpointError(f"checkpoint '{final}' exists already; does another run write to this "
+                                          f"run directory?")
+                shutil.rmtree(final)  # a step directory without .metadata: what is left of a broken or deleted one
+            os.replace(tmp, final)
         if self.cfg.keep > 0:
             for _, old in complete_checkpoints(self.root)[:-self.cfg.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                storage.remove(old)
+
+
+def _differ(a: str, b: str) -> bool:
+    """Whether two checkpoint paths or URLs name different checkpoints (local paths compared after resolving links)."""
+    if storage.is_url(a) or storage.is_url(b):
+        return a.rstrip("/") != b.rstrip("/")
+    return os.path.realpath(a) != os.path.realpath(b)
 
 
 class _Loading(Stateful):

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 import cli
+import datacache
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from data import DataConfig
 from distributed import local_world_size, resolve_device
@@ -32,6 +33,7 @@ from parallelize import ParallelConfig, check_layout
 from profiling import parse_steps
 from rundir import RunDir
 from sources import check_source
+from storage import check_location
 from tokenizer import EOT, load_tokenizer
 
 
@@ -167,8 +169,10 @@ def validate(cfg: Config, world_size: int) -> None:
     source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
     unwritable run directory, a local [[eval.tasks]] file that is unreadable or lacks its
-    columns or has a gold index out of range; a MissingPackageError for metrics.tensorboard
-    or metrics.wandb without its package.
+    columns or has a gold index out of range; a StorageError for a checkpoint or data URL that
+    cannot be used (unknown scheme, no credentials, no such bucket, no endpoint), a
+    data.prepared whose meta.json does not match the data settings; a MissingPackageError for
+    metrics.tensorboard or metrics.wandb without its package, or an s3:// URL without s3fs.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
@@ -187,16 +191,26 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SetupError(f"{local_world_size()} processes on this node (LOCAL_WORLD_SIZE) but {torch.cuda.device_count()} "
                          f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")
     check_metrics(cfg.metrics, cfg.run_dir)
-    check_source(d)
+    if not d.prepared:  # with data.prepared the sources and the tokenizer file need not be on this node
+        check_source(d)
+        if d.tokenizer:
+            check_tokenizer(d.tokenizer, cfg.model)
+        elif d.tokenizer_vocab_size > cfg.model.vocab_size:
+            raise SetupError(
+                f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
+                f"({cfg.model.vocab_size}); lower the first or raise the second"
+            )
     check_tasks(cfg.eval)
-    if d.tokenizer:
-        check_tokenizer(d.tokenizer, cfg.model)
-    elif d.tokenizer_vocab_size > cfg.model.vocab_size:
-        raise SetupError(
-            f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
-            f"({cfg.model.vocab_size}); lower the first or raise the second"
-        )
     check_run_dir(cfg.run_dir)
+    check_location(cfg.checkpoint.dir, "--checkpoint.dir")
+    check_location(cfg.checkpoint.load_from, "--checkpoint.load_from")
+    if d.prepared:
+        check_location(d.prepared, "--data.prepared")
+        vocab = datacache.remote_meta(d)["vocab_size"]  # and its settings against d
+        if vocab > cfg.model.vocab_size:
+            raise SetupError(f"--data.prepared {d.prepared} has a tokenizer of {vocab} tokens but model.vocab_size "
+                             f"is {cfg.model.vocab_size}; raise model.vocab_size")
+        return
     prepared = RunDir(cfg.run_dir).tokenizer
     if os.path.isfile(prepared):  # a run directory prepared before: its tokenizer is the run's
         check_tokenizer(prepared, cfg.model)
@@ -222,7 +236,8 @@ def check_run_dir(run_dir: str) -> None:
 def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:
     """(config, checkpoint path, tokenizer.json path) of a training run directory; no process group needed.
 
-    checkpoint: a checkpoint directory, or "" for the newest complete one in run_dir/checkpoints.
+    checkpoint: a checkpoint directory or URL, or "" for the newest complete one of the run (its
+    checkpoint.dir, by default run_dir/checkpoints).
     Raises CheckpointError when the run has no config.toml, tokenizer or complete checkpoint,
     ConfigError when its config.toml does not parse.
     """
@@ -231,11 +246,14 @@ def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:
     if not os.path.isfile(cfg_path):
         raise CheckpointError(f"run directory '{run_dir}' has no config.toml; give the --run_dir of a training run")
     cfg = parse_config(["--config", cfg_path])
+    check_location(checkpoint or cfg.checkpoint.dir, "--checkpoint")
     if checkpoint:
         read_metadata(checkpoint)
     else:
-        checkpoint = newest_checkpoint(run_dir)
+        checkpoint = newest_checkpoint(cfg.checkpoint.root(run_dir))
     tokenizer = run.tokenizer
+    if cfg.data.prepared and not os.path.isfile(tokenizer):
+        tokenizer = datacache.tokenizer_path(cfg.data, run_dir)
     if not os.path.isfile(tokenizer):
         raise CheckpointError(f"run directory '{run_dir}' has no data/tokenizer.json")
     return cfg, checkpoint, tokenizer

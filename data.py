@@ -108,6 +108,10 @@ class DataConfig:
     """Undecodable bytes in .txt files: 'strict' stops with the file and byte offset, 'replace' substitutes U+FFFD."""
     txt_documents: TxtDocuments = "file"
     """How a .txt file splits into documents: 'file' (the whole file), 'blank_line' (paragraphs between blank lines) or 'line'."""
+    prepared: str = ""
+    """A prepared data directory to train from (tokenizer.json, meta.json, sources/), local or a URL such as s3://BUCKET/PREFIX (written by prepare.py --data.prepared URL); its meta.json must match these data settings. Each node copies the files it needs into data.cache_dir. Empty: the run prepares RUN_DIR/data itself."""
+    cache_dir: str = ""
+    """Node-local folder for the copy of a remote data.prepared, checked by size and checksum against its meta.json and reused across restarts (empty: RUN_DIR/data_cache)."""
     tokenizer: str = ""
     """Path to a tokenizer.json; empty: train a byte-level BPE on the corpus into the run directory."""
     tokenizer_vocab_size: int = 4096

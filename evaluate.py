@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: prints the result as one JSON line on rank 0; bad input exits with status 2."""
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run_dir", required=True, help="training run directory")
-    p.add_argument("--checkpoint", default="", help="checkpoint directory (default: the run's newest complete one)")
+    p.add_argument("--checkpoint", default="",
+                   help="checkpoint directory or URL (default: the run's newest complete one, in its checkpoint.dir)")
     p.add_argument("--split", default="val", choices=("val", "train", "all"),
                    help="'val' (the held-out tail), 'train' or 'all' windows")
     count = number(int, lambda v: v >= 0, "an int >= 0")

@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run_dir", help="training run directory (its newest complete checkpoint unless --checkpoint)")
     src.add_argument("--hf", help="a Hugging Face Llama folder (safetensors + tokenizer.json with [EOT])")
-    p.add_argument("--checkpoint", default="", help="checkpoint directory of the run (default: newest complete)")
+    p.add_argument("--checkpoint", default="",
+                   help="checkpoint directory or URL of the run (default: newest complete, in its checkpoint.dir)")
     p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
     p.add_argument("--max_new_tokens", type=number(int, lambda v: v >= 1, "an int >= 1"), default=200)
     p.add_argument("--temperature", type=number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0"),

@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face Llama folder")
     e.add_argument("--run_dir", required=True, help="training run directory (config.toml, data/, checkpoints/)")
     e.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
-    e.add_argument("--checkpoint", default="", help="checkpoint directory (default: the run's newest complete one)")
+    e.add_argument("--checkpoint", default="",
+                   help="checkpoint directory or URL (default: the run's newest complete one, in its checkpoint.dir)")
     e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="dtype of the saved weights")
     e.add_argument("--max_shard_size", default="5GB", help="split model.safetensors above this size (e.g. 2GB)")
     a = p.parse_args(argv)

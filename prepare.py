@@ -1,12 +1,13 @@
 """The writing side of the data: tokenize the sources and pack each into a run's data directory.
 
-    python prepare.py --config FILE.toml --run_dir DIR [--data.field value ...]
+    python prepare.py --config FILE.toml --run_dir DIR [--data.field value ...] [--data.prepared s3://BUCKET/PREFIX]
     torchrun --standalone --nproc_per_node=N prepare.py --config FILE.toml --run_dir DIR   (N processes)
     python prepare.py tokenizer --config FILE.toml --out runs/tokenizer.json [--data.field value ...]
 
 The first writes what a training run would write into DIR/data (tokenizer.json, one token
 file per source under sources/, meta.json), so a long tokenization need not happen inside the process group's timeout; the
-training run then finds it and reads it as it is. ``tokenizer`` trains a tokenizer alone.
+training run then finds it and reads it as it is. With data.prepared set, DIR/data is then
+also uploaded there (meta.json last) for runs whose nodes share no filesystem (datacache.py). ``tokenizer`` trains a tokenizer alone.
 (``python data.py prepare`` of earlier versions is ``python prepare.py`` now.)
 
 Pipeline, per source: documents (sources.py) -> byte-level BPE ids of the plain text
@@ -32,11 +33,13 @@ import torch.distributed as dist
 import distributed
 from config import check_run_dir, parse_config
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
+from datacache import publish, sha256_file
 from errors import ConfigError, UserError, report
 from mixture import weight_shares
 from progress import duration
 from rundir import RunDir
 from sources import check_source, iter_documents, source_units, txt_notice
+from storage import check_location
 from tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
 
 
@@ -332,16 +335,19 @@ def _join_source(src, work: str, parts: str, file: str, counts: list[tuple[int, 
                         + ("" if src.name == DEFAULT_SOURCE else " or remove the source"))
     path = os.path.join(work, file)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    digest = hashlib.sha256()  # checked by the nodes that copy the file from data.prepared (datacache.py)
     with open(path + ".tmp", "wb") as out:
         for u, _, _ in counts:
             part = os.path.join(parts, f"{u:07d}.bin")
             with open(part, "rb") as f:
-                shutil.copyfileobj(f, out, 1 << 24)
+                while block := f.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
             os.remove(part)
     os.replace(path + ".tmp", path)
     os.rmdir(parts)
     return {"file": file, "dtype": dtype, "n_tokens": sum(n for _, n, _ in counts), "n_documents": n_docs,
-            "work_units": len(counts), "config": src.reading()}
+            "work_units": len(counts), "config": src.reading(), "sha256": digest.hexdigest()}
 
 
 def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool) -> None:
@@ -349,6 +355,7 @@ def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool
     shutil.rmtree(os.path.join(work, PARTS), ignore_errors=True)
     if changed:
         record = {k: v for k, v in meta.items() if k != "legacy"}
+        record["tokenizer_sha256"] = sha256_file(os.path.join(work, "tokenizer.json"))
         with open(os.path.join(work, "meta.json.tmp"), "w") as f:
             json.dump(record, f, indent=1)
         os.replace(os.path.join(work, "meta.json.tmp"), os.path.join(work, "meta.json"))
@@ -399,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}: {tok.get_vocab_size()} tokens")
             return 0
         check_run_dir(cfg.run_dir)
+        check_location(cfg.data.prepared, "--data.prepared")
         out_dir = RunDir(cfg.run_dir).data
         if distributed.world_size() == 1:
             meta = prepare(cfg.data, out_dir)
@@ -415,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                               "n_tokens": meta["n_tokens"], "n_documents": meta["n_documents"],
                               "sources": {n: {k: v for k, v in r.items() if k != "config"}
                                           for n, r in meta["sources"].items()}}))
+            if cfg.data.prepared:
+                publish(out_dir, cfg.data.prepared)
     except UserError as e:
         report(e)
         return 2

@@ -2,7 +2,8 @@
 
     DIR/config.toml       the resolved config of the run (written at every start)
     DIR/data/             the prepared corpus: tokenizer.json, meta.json, per-source token files
-    DIR/checkpoints/      DCP checkpoints, step_<N>/ (see checkpoint.py)
+    DIR/data_cache/       the node's copy of a remote data.prepared (datacache.py)
+    DIR/checkpoints/      DCP checkpoints, step_<N>/ (see checkpoint.py), unless checkpoint.dir puts them elsewhere
     DIR/metrics.jsonl     one JSON record per logged step and per validation
     DIR/tensorboard/      the same scalars as TensorBoard events (metrics.tensorboard)
     DIR/wandb/            Weights & Biases' own folder of the run (metrics.wandb; wandb.init(dir=DIR) writes it)
@@ -44,6 +45,11 @@ class RunDir:
     @property
     def tokenizer(self) -> str:
         return self._path("data", "tokenizer.json")
+
+    @property
+    def data_cache(self) -> str:
+        """The node-local copy of a remote data.prepared (datacache.py), unless data.cache_dir names another."""
+        return self._path("data_cache")
 
     @property
     def checkpoints(self) -> str:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import cli
+import datacache
 import distributed
 import hf
 from checkpoint import (
@@ -208,10 +209,14 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     dp = data_parallel.size()
     torch.manual_seed(cfg.train.seed)
 
-    # Data: all ranks tokenize their share of the corpus into the run directory, then map it.
+    # Data: all ranks tokenize their share of the corpus into the run directory, or each node
+    # copies a published one (data.prepared) into its cache; then every rank maps it.
     data_dir = RunDir(cfg.run_dir).data
     try:
-        meta = prepare_on_all_ranks(cfg.data, data_dir)
+        if cfg.data.prepared:
+            data_dir, meta = datacache.fetch(cfg.data, datacache.cache_dir(cfg.data, cfg.run_dir))
+        else:
+            meta = prepare_on_all_ranks(cfg.data, data_dir)
     except UserError as e:
         raise SetupError(str(e)) from None
     check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"])
@@ -222,7 +227,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
                                cfg.train.seed, data_state)
 
     tr = build_trainable(cfg, rank, mesh, device, tp_plan)
-    ckpt = Checkpointer(cfg.checkpoint, RunDir(cfg.run_dir).checkpoints, rank, cli.to_toml(cfg))
+    ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.root(cfg.run_dir), rank, cli.to_toml(cfg))
     app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, data_state, rank)
 
     def find_resume():
@@ -444,7 +449,10 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
 
 def peer_message(cfg: Config, where: str, rank: int, why: str) -> str:
     """The one line a rank prints when a peer rank hung or died: where, what, what is safe, what to do."""
-    found = complete_checkpoints(RunDir(cfg.run_dir).checkpoints)
+    try:
+        found = complete_checkpoints(cfg.checkpoint.root(cfg.run_dir))
+    except Exception:  # a store that is down too must not hide the peer's failure
+        found = []
     timeout = f" for train.collective_timeout_s ({cfg.train.collective_timeout_s:g} s)" if "answering" in why else ""
     return (f"{where}: rank {rank}: a peer rank {why}{timeout}; the newest complete checkpoint is "
             f"{found[-1][1] if found else 'none yet'}; see the other ranks' output for the cause, then run the same "

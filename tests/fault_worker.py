@@ -4,9 +4,11 @@
 
 The i-th fault applies to attempt i (TORCHELASTIC_RESTART_COUNT i), so each restart meets the
 next one and the last attempt runs clean. WHEN is 'write': rank RANK dies as the save of step
-STEP starts, while its peers are inside DCP's save waiting for it; or 'commit': rank RANK
+STEP starts, while its peers are inside DCP's save waiting for it (on a URL they may have
+written their shards: the step is left without its commit marker); or 'commit': rank RANK
 (0 commits) dies after every shard and the metadata of step STEP are written, before the
-checkpoint is renamed into place.
+checkpoint is renamed into place; or 'marker' (a checkpoint.dir URL): rank 0 dies with every
+shard and the metadata of step STEP uploaded, before the commit marker.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def die_at(rank: int, step: int, when: str) -> None:
         save = checkpoint.dcp.save
 
         def dying_save(state, checkpoint_id, **kw):
-            if os.path.basename(checkpoint_id) == name + ".tmp":
+            if os.path.basename(str(checkpoint_id)) in (name + ".tmp", name):  # local, or a URL (written in place)
                 os.kill(os.getpid(), signal.SIGKILL)
             return save(state, checkpoint_id=checkpoint_id, **kw)
 
@@ -43,8 +45,17 @@ def die_at(rank: int, step: int, when: str) -> None:
             return commit(self, tmp, final)
 
         checkpoint.Checkpointer._commit = dying_commit
+    elif when == "marker":
+        write_marker = checkpoint.Checkpointer._write_marker
+
+        def dying_marker(self, final):
+            if os.path.basename(final) == name:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write_marker(self, final)
+
+        checkpoint.Checkpointer._write_marker = dying_marker
     else:
-        raise ValueError(f"FAULT: WHEN must be 'write' or 'commit', got {when!r}")
+        raise ValueError(f"FAULT: WHEN must be 'write', 'commit' or 'marker', got {when!r}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,244 @@
+"""Where checkpoints and prepared data live: a local path or an object-store URL, behind one small interface.
+
+    /data/run1/checkpoints         a local directory (os and shutil, as always)
+    s3://bucket/prefix             S3 or any S3-compatible store (MinIO, R2, SeaweedFS, ...) through s3fs
+
+A URL goes through fsspec (s3fs for ``s3://``; another fsspec scheme works where its package
+is installed), and DCP writes and reads it with its own FsspecWriter/FsspecReader: this module
+holds no S3 client of its own. The endpoint and credentials are never configured here: botocore
+reads them itself from the standard variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, or ``~/.aws``), so one command runs against
+AWS, MinIO, R2 or a local test server alike.
+
+An object store has no directories and no atomic rename: callers that need "complete or
+absent" (checkpoint.py) commit with a marker object written last, not with a rename.
+
+Transient faults (connection resets, 5xx, throttling) are retried by botocore with backoff:
+``standard`` retry mode with 10 attempts unless ``AWS_RETRY_MODE``/``AWS_MAX_ATTEMPTS`` say
+otherwise (botocore reads those too).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Callable
+
+import fsspec
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from errors import UserError, one_line, require
+
+S3_RETRIES = {"mode": "standard", "max_attempts": 10}
+"""botocore's retry settings for s3:// (about 20 s of backoff before a store counts as down)."""
+
+
+class StorageError(UserError):
+    """A location that cannot be used (unknown scheme, missing bucket or credentials); names the field and the fix."""
+
+
+def is_url(path: str) -> bool:
+    """Whether path is a URL (scheme://...) rather than a local path."""
+    return "://" in str(path)
+
+
+def scheme(path: str) -> str:
+    """The URL's scheme ('s3'), or '' for a local path."""
+    return str(path).split("://", 1)[0] if is_url(path) else ""
+
+
+def join(root: str, *parts: str) -> str:
+    """root/part/...: os.path.join for a local path, '/' for a URL."""
+    if not is_url(root):
+        return os.path.join(root, *parts)
+    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def options(path: str) -> dict[str, Any]:
+    """fsspec storage options for path's scheme ({} for local paths and schemes without settings of ours).
+
+    s3: no listing cache (another rank or node writes the same prefix, so a cached listing
+    would hide its objects) and botocore's retries (S3_RETRIES, unless AWS_RETRY_MODE or
+    AWS_MAX_ATTEMPTS is set, which botocore then applies itself).
+    """
+    if scheme(path) != "s3":
+        return {}
+    opts: dict[str, Any] = {"use_listings_cache": False}
+    if not (os.environ.get("AWS_RETRY_MODE") or os.environ.get("AWS_MAX_ATTEMPTS")):
+        opts["config_kwargs"] = {"retries": dict(S3_RETRIES)}
+    return opts
+
+
+def filesystem(path: str):
+    """(fsspec filesystem, path inside it) for a URL; raises StorageError for an unknown scheme or missing package."""
+    name = scheme(path)
+    if name == "s3":  # fsspec keeps a class once imported: ask for the package itself
+        require("s3fs", "s3", f"'{path}'")
+    try:
+        fsspec.get_filesystem_class(name)
+    except ValueError:
+        raise StorageError(f"'{path}': unknown URL scheme '{name}://'; use a local path or s3://BUCKET/PREFIX") \
+            from None
+    except ImportError:
+        raise StorageError(f"'{path}': the fsspec filesystem for '{name}://' is not installed; install its package "
+                           f"(e.g. gcsfs for gs://) or use s3://") from None
+    return fsspec.core.url_to_fs(path, **options(path))
+
+
+def check_location(path: str, field: str) -> None:
+    """Check that a URL can be used before any collective: scheme, package, credentials, bucket, endpoint.
+
+    Local paths are not checked here (their callers create and probe them). Raises StorageError
+    (or MissingPackageError without s3fs) naming field and the fix; nothing is written.
+    """
+    if not is_url(path):
+        return
+    if scheme(path) == "s3":
+        require("s3fs", "s3", f"{field} {path}")
+    try:
+        fs, inner = filesystem(path)
+    except StorageError as e:
+        raise StorageError(f"{field} {e}") from None
+    if scheme(path) != "s3":
+        return
+    import botocore.session  # s3fs depends on botocore: present once filesystem() succeeded
+
+    if botocore.session.get_session().get_credentials() is None:
+        raise StorageError(f"{field} {path}: no S3 credentials found; set AWS_ACCESS_KEY_ID and "
+                           f"AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a store other than AWS)")
+    bucket = inner.split("/", 1)[0]
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "AWS's default endpoint")
+    try:
+        fs.ls(bucket, detail=False)
+    except FileNotFoundError:
+        raise StorageError(f"{field} {path}: bucket '{bucket}' does not exist at {endpoint}; create it "
+                           f"(aws s3 mb s3://{bucket}) or fix the URL or AWS_ENDPOINT_URL") from None
+    except PermissionError as e:
+        raise StorageError(f"{field} {path}: access to bucket '{bucket}' at {endpoint} is denied ({one_line(e)}); "
+                           f"check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
+    except Exception as e:  # botocore's connection and credential errors share no base class with OSError
+        raise StorageError(f"{field} {path}: cannot reach the store at {endpoint} ({one_line(e)}); check "
+                           f"AWS_ENDPOINT_URL and the network") from None
+
+
+def exists(path: str) -> bool:
+    """Whether a file or directory (for a URL: an object or a prefix) is at path."""
+    if not is_url(path):
+        return os.path.exists(path)
+    fs, inner = filesystem(path)
+    return fs.exists(inner)
+
+
+def isfile(path: str) -> bool:
+    """Whether a file (an object) is at path."""
+    if not is_url(path):
+        return os.path.isfile(path)
+    fs, inner = filesystem(path)
+    return fs.isfile(inner)
+
+
+def listdir(path: str) -> list[str]:
+    """Names directly under path (files and sub-directories / prefixes), [] when nothing is there."""
+    if not is_url(path):
+        return os.listdir(path) if os.path.isdir(path) else []
+    fs, inner = filesystem(path)
+    try:
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(inner, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def size(path: str) -> int:
+    """The file's size in bytes; FileNotFoundError if absent."""
+    if not is_url(path):
+        return os.path.getsize(path)
+    fs, inner = filesystem(path)
+    return fs.size(inner)
+
+
+def read_bytes(path: str) -> bytes:
+    """The file's contents; OSError (FileNotFoundError if absent) when it cannot be read."""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            return f.read()
+    fs, inner = filesystem(path)
+    return fs.cat_file(inner)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write data to path whole (for a URL: one PUT, so the object appears complete or not at all)."""
+    if not is_url(path):
+        with open(path, "wb") as f:
+            f.write(data)
+        return
+    fs, inner = filesystem(path)
+    fs.pipe_file(inner, data)
+
+
+def remove(path: str) -> None:
+    """Delete path and everything under it, if present; errors are ignored (a later clean-up retries)."""
+    if not is_url(path):
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.lexists(path):
+            os.remove(path)
+        return
+    fs, inner = filesystem(path)
+    try:
+        fs.rm(inner, recursive=True)
+    except (FileNotFoundError, OSError):
+        pass
+
+
+def download(path: str, local: str) -> None:
+    """Copy the file at URL path to the local file local (written whole, then renamed into place)."""
+    fs, inner = filesystem(path)
+    tmp = f"{local}.part{os.getpid()}"
+    fs.get_file(inner, tmp)
+    os.replace(tmp, local)
+
+
+def upload(local: str, path: str) -> None:
+    """Copy the local file local to path (a URL or a local path)."""
+    if not is_url(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        shutil.copyfile(local, path)
+        return
+    fs, inner = filesystem(path)
+    fs.put_file(local, inner)
+
+
+class _FinishingWriter(FsspecWriter):
+    """DCP's FsspecWriter that runs after_finish on the coordinator once the metadata is written.
+
+    DCP calls finish on rank 0 after every rank's writes, and sends its failure to every rank,
+    so a commit made here is both last and seen by all ranks if it fails.
+    """
+
+    def __init__(self, path: str, after_finish: Callable[[], None] | None, **kwargs):
+        super().__init__(path, **kwargs)
+        self.after_finish = after_finish
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        if self.after_finish is not None:
+            self.after_finish()
+
+
+def dcp_writer(path: str, after_finish: Callable[[], None] | None = None):
+    """DCP's storage writer for a URL (FsspecWriter), or None for a local path (DCP's FileSystemWriter).
+
+    after_finish: called on the coordinating rank after DCP wrote the metadata (URLs only).
+    """
+    if not is_url(path):
+        return None
+    filesystem(path)  # the scheme's own error, not DCP's
+    # No fsync: DCP would fall back to os.sync() of every local disk for an object it cannot fsync.
+    return _FinishingWriter(path, after_finish, sync_files=False, **options(path))
+
+
+def dcp_reader(path: str):
+    """DCP's storage reader for a URL (FsspecReader), or None for a local path (DCP's FileSystemReader)."""
+    if not is_url(path):
+        return None
+    filesystem(path)
+    return FsspecReader(path, **options(path))
