@@ -250,7 +250,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
         return path, "; ".join(n for n in (note, mix) if n)
 
     path, note = distributed.on_rank0(find_resume, rank) if resume else (None, "")
-    tasks = distributed.on_rank0(lambda: load_tasks(cfg.eval, RunDir(cfg.run_dir).tokenizer, cfg.model.max_seq_len),
+    tasks = distributed.on_rank0(lambda: load_tasks(cfg.eval, meta["tokenizer"], cfg.model.max_seq_len),
                                  rank) if cfg.eval.tasks else []
     if path is not None:
         ckpt.load(path, app)
