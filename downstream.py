@@ -35,13 +35,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
 from data import DataError
 from errors import ConfigError
 from loss import has_tp, loss_context, token_logprobs
 from tokenizer import EOT, encode_plain, load_tokenizer
-from validation import rank_share
+from validation import rank_share, reshard
 
 
 @dataclasses.dataclass
@@ -364,7 +363,7 @@ def loglikelihoods(model: torch.nn.Module, requests: list[Request], device: torc
     """
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     lo, hi = rank_share(len(order), dp_rank, dp_size)
-    tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+    tp = mesh["tp"].size() if has_tp(mesh) else 1
     mine = list(_batches(order[lo:hi], requests, max_tokens, tp))
     counts = torch.tensor([len(mine)], device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp_group)
@@ -383,9 +382,7 @@ def loglikelihoods(model: torch.nn.Module, requests: list[Request], device: torc
             logp = token_logprobs(model, inputs.to(device), targets.to(device), has_tp(mesh)).double().sum(dim=1)
             if b < len(mine):
                 sums[batch] = logp[:len(batch)]
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    reshard(model)
     model.train()
     dist.all_reduce(sums, group=dp_group)  # each request was scored by exactly one rank
     return sums.tolist()

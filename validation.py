@@ -77,6 +77,18 @@ def val_record(losses: dict[str, float], sets: list[ValSet]) -> dict:
     return {"val_loss": val, "val_ppl": math.exp(min(val, 50)), **{f"val_loss/{k}": x for k, x in losses.items()}}
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Free the parameters that forward passes left gathered (every FSDP module resharded).
+
+    With parallel.reshard_after_forward false a forward-only pass (validation, downstream
+    scoring) keeps them gathered until the next backward, which would hold the unsharded
+    model through the training step that follows.
+    """
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 @torch.no_grad()
 def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device, mesh: DeviceMesh,
                        dp_group, loss_chunk_size: int = 0) -> tuple[float, int]:
@@ -99,9 +111,7 @@ def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device,
             if i < len(vs.batches):
                 total[0] += scalar(loss).double()
                 total[1] += labels.numel()
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    reshard(model)
     model.train()
     dist.all_reduce(total, group=dp_group)
     return total[0].item(), int(total[1].item())
