@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from config import parse_config
-from launch import DEBUG, torchrun
+from launch import DEBUG, losses, torchrun
 from muon import is_muon_matrix
 from optim import lr_factor
 
@@ -45,8 +45,26 @@ def test_distributed_muon_update_equals_torch_muon(tmp_path, nproc, tp, extra):
              tmp_path / "run", *extra, timeout=300)
     result = torch.load(out)
     want = reference(result)
-    assert sum(is_muon_matrix(n) for n in want) == 14  # 2 layers x 7 matrices
+    assert sum(is_muon_matrix(n) for n in want) == 28  # 4 layers x 7 matrices
     for n, w in want.items():
         moved = (w - result["init"][n]).norm()
         err = (result["after"][n] - w).norm() / moved
         assert err <= RTOL, (n, err.item())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_muon_wsd_checkpoint_loads_at_another_world_size(tmp_path):
+    """2 FSDP ranks for 10 steps, saved at step 5; a 1-rank run loaded from that step (its momentum buffers
+    resharded by DCP, its WSD schedule recomputed) continues with the uninterrupted run's losses."""
+    common = ["--config", DEBUG, "--optim.name", "muon", "--optim.schedule", "wsd", "--optim.decay_fraction", "0.5",
+              "--optim.warmup_steps", "2", "--train.steps", "10", "--checkpoint.interval", "5",
+              "--train.val_interval", "0"]
+    ref, branch = tmp_path / "ref", tmp_path / "branch"
+    torchrun(2, "train_fsdp.py", *common, "--run_dir", ref)
+    torchrun(1, "train_fsdp.py", *common, "--run_dir", branch, "--checkpoint.load_from",
+             ref / "checkpoints" / "step_00000005")
+    a, b = losses(ref), losses(branch)
+    assert sorted(b) == list(range(6, 11))
+    for step in b:
+        assert abs(a[step] - b[step]) / a[step] <= 1e-4, step
