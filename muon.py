@@ -118,6 +118,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if not params or not isinstance(params[0], DTensor):
             return [ns(u) for u in updates]
         world, me = dist.get_world_size(), dist.get_rank()
+        dev = params[0].to_local().device  # NCCL sends CUDA tensors only
         out: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for start in range(0, len(params), world):
             chunk = list(range(start, min(start + world, len(params))))
@@ -126,15 +127,15 @@ class MuonAdamW(torch.optim.Optimizer):
             idx_all = self._owner_indices(params, chunk, mine)  # [per source rank flat indices] of my matrix
             send_split = [s.numel() for s in sends] + [0] * (world - len(chunk))
             recv_split = [len(i) for i in idx_all] if mine is not None else [0] * world
-            recv = torch.empty(sum(recv_split), dtype=torch.float32)
+            recv = torch.empty(sum(recv_split), dtype=torch.float32, device=dev)
             dist.all_to_all_single(recv, torch.cat(sends), recv_split, send_split)
-            back = torch.empty(0)
+            back = torch.empty(0, device=dev)
             if mine is not None:
-                full = torch.empty(params[mine].numel(), dtype=torch.float32)
+                full = torch.empty(params[mine].numel(), dtype=torch.float32, device=dev)
                 full[torch.cat(idx_all)] = recv
                 o = ns(full.view(params[mine].shape)).float().reshape(-1)
                 back = torch.cat([o[i] for i in idx_all])
-            got = torch.empty(sum(send_split), dtype=torch.float32)
+            got = torch.empty(sum(send_split), dtype=torch.float32, device=dev)
             dist.all_to_all_single(got, back, send_split, recv_split)
             for i, piece in zip(chunk, got.split(send_split[:len(chunk)])):
                 out[i] = piece
@@ -144,20 +145,20 @@ class MuonAdamW(torch.optim.Optimizer):
         """Flat global indices of every rank's local shard of params[mine] (once per round, then cached)."""
         key = id(params[chunk[0]])
         if key not in self._index:
-            world = dist.get_world_size()
+            world, dev = dist.get_world_size(), params[chunk[0]].to_local().device
             own = []
             for i in chunk:  # this rank's piece, split exactly as DTensor splits (no communication)
                 p = params[i]
                 if p.device_mesh.size() != world:
                     raise ValueError(f"Muon needs parameters on a mesh over all {world} ranks, got {p.device_mesh}")
-                idx = torch.arange(p.numel()).view(p.shape)
+                idx = torch.arange(p.numel(), device=dev).view(p.shape)
                 own.append(distribute_tensor(idx, p.device_mesh, p.placements, src_data_rank=None).to_local()
                            .reshape(-1))
-            sizes = torch.tensor([len(i) for i in own] + [0] * (world - len(chunk)))
-            all_sizes = torch.empty(world * world, dtype=torch.int64)
+            sizes = torch.tensor([len(i) for i in own] + [0] * (world - len(chunk)), device=dev)
+            all_sizes = torch.empty(world * world, dtype=torch.int64, device=dev)
             dist.all_gather_into_tensor(all_sizes, sizes)
             recv_split = all_sizes.view(world, world)[:, dist.get_rank()].tolist()
-            recv = torch.empty(sum(recv_split), dtype=torch.int64)
+            recv = torch.empty(sum(recv_split), dtype=torch.int64, device=dev)
             dist.all_to_all_single(recv, torch.cat(own), recv_split, sizes.tolist())
             self._index[key] = list(recv.split(recv_split)) if mine is not None else []
         return self._index[key]
