@@ -36,7 +36,6 @@ def reference(result: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc, tp, extra", [(1, 1, ()), (2, 1, ()), (2, 1, ("--parallel.dp_replicate", "2")),
                                               (2, 2, ())], ids=["ws1", "fsdp2", "hsdp2x1", "dp1xtp2"])
 def test_distributed_muon_update_equals_torch_muon(tmp_path, nproc, tp, extra):
@@ -53,7 +52,6 @@ def test_distributed_muon_update_equals_torch_muon(tmp_path, nproc, tp, extra):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
 def test_muon_wsd_checkpoint_loads_at_another_world_size(tmp_path):
     """2 FSDP ranks for 10 steps, saved at step 5; a 1-rank run loaded from that step (its momentum buffers
     resharded by DCP, its WSD schedule recomputed) continues with the uninterrupted run's losses."""
