@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import storage
 from errors import ConfigError, UserError, one_line
+from optim import reapply_schedule
 from rundir import CONFIG_FILE, RunDir
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -117,6 +118,7 @@ class AppState(Stateful):
     def load_state_dict(self, sd: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         self.scheduler.load_state_dict(sd["scheduler"])
+        reapply_schedule(self.scheduler)  # this run's train.steps, not the saved run's
         for k, v in sd["train"].items():
             setattr(self.train_state, k, v)
         for k, v in sd["data"].items():

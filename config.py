@@ -101,7 +101,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     """Loop, batch, precision and memory options."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    """AdamW, LR schedule and clipping."""
+    """Optimizer (AdamW or Muon + AdamW), LR schedule and clipping."""
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     """Sharding options."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)

@@ -1,19 +1,37 @@
-"""AdamW with decay on matrices only, and the linear-warmup + cosine LR schedule."""
+"""The optimizer by name (AdamW, or Muon for the blocks' matrices with AdamW for the rest) and the LR schedules.
+
+Schedules (optim.schedule), in optimizer steps: linear warmup, then cosine decay, linear decay,
+or WSD (warmup, stable at the peak, decay over the last decay_fraction of the run). Each is a
+pure function of (step, train.steps), so a run loaded from another run's checkpoint with its own
+train.steps follows its own schedule from the loaded step.
+"""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+from typing import Literal
 
 import torch
 
 from errors import ConfigError
+from muon import MuonAdamW, is_muon_matrix
 
 
 @dataclasses.dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """'adamw', or 'muon': Muon (muon.py) on the blocks' hidden matrices (attention.wq wk wv wo, feed_forward.w1 w2 w3), AdamW on embeddings, output and norms."""
     lr: float = 1e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate of AdamW and of Muon (whose LR is scaled by 0.2 * sqrt(max(m, n)) per matrix to match AdamW's update RMS)."""
+    schedule: Literal["cosine", "wsd", "linear"] = "cosine"
+    """LR schedule after the linear warmup, in optimizer steps: 'cosine' to min_lr_ratio, 'linear' to min_lr_ratio, or 'wsd' (stable at lr, then decay over the last decay_fraction of train.steps)."""
+    decay_fraction: float = 0.2
+    """WSD: fraction of train.steps, in (0, 1], over which the LR decays to min_lr_ratio at the end of the run."""
+    decay_shape: Literal["linear", "1-sqrt"] = "linear"
+    """WSD: shape of the decay: 'linear' or '1-sqrt' (1 - sqrt(progress), Hagele et al. 2024)."""
+    muon_momentum: float = 0.95
+    """Muon: momentum (Nesterov), torch.optim.Muon's default."""
     min_lr_ratio: float = 0.0
     """Final LR of the cosine decay, as a fraction of lr."""
     warmup_steps: int = 1000
@@ -39,7 +57,10 @@ class OptimConfig:
         if self.warmup_steps < 0 or not self.lr > 0:
             raise ConfigError(f"optim.lr must be > 0 and optim.warmup_steps >= 0, got {self.lr} and "
                               f"{self.warmup_steps}")
-        for name in ("beta1", "beta2"):
+        if not 0 < self.decay_fraction <= 1:  # also refuses NaN
+            raise ConfigError(f"optim.decay_fraction is a fraction of train.steps: it must be in (0, 1], got "
+                              f"{self.decay_fraction}")
+        for name in ("beta1", "beta2", "muon_momentum"):
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.eps > 0:
@@ -49,29 +70,64 @@ class OptimConfig:
                 raise ConfigError(f"optim.{name} must be >= 0, got {getattr(self, name)}")
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float, schedule: str = "cosine",
+              decay_fraction: float = 0.2, decay_shape: str = "linear") -> float:
     """Multiplier of the peak LR for the optimizer step that follows `step` completed steps.
 
-    Linear warmup: (step + 1) / warmup_steps for the first warmup_steps steps; then cosine
-    decay from 1 to min_ratio over the remaining steps (Loshchilov & Hutter, SGDR, 2017).
+    Linear warmup: (step + 1) / warmup_steps for the first warmup_steps steps. Then:
+    cosine: min_ratio + (1 - min_ratio) * (1 + cos(pi * p)) / 2, p = (step - W) / (T - W)
+    (Loshchilov & Hutter, SGDR, 2017); linear: min_ratio + (1 - min_ratio) * (1 - p); wsd:
+    1 until the last D = max(1, round(decay_fraction * T)) steps, then min_ratio + (1 - min_ratio)
+    * f(q), q = (step - (T - D)) / D, f = 1 - q ('linear') or 1 - sqrt(q) ('1-sqrt') (Hagele et
+    al., "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", 2024).
+    p and q are clamped to [0, 1]. Units: optimizer steps.
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
+    if schedule == "wsd":
+        decay = max(1, round(decay_fraction * total_steps))
+        q = min(1.0, max(0.0, (step - (total_steps - decay)) / decay))
+        return min_ratio + (1 - min_ratio) * (1 - (math.sqrt(q) if decay_shape == "1-sqrt" else q))
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return min_ratio + (1 - min_ratio) * (1 - progress)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, fused: bool = True):
-    """(AdamW, LambdaLR) for model: decay on matrices (ndim >= 2) only, warmup + cosine to total_steps.
+def reapply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set every group's LR from the schedule at scheduler.last_epoch (after loading a checkpoint).
 
-    fused: the fused AdamW kernel (CUDA, and CPU since torch 2.4); pass False when the
-    parameters live in CPU memory under CUDA offloading.
+    LambdaLR.load_state_dict restores the LR the saved run computed with its own train.steps;
+    recomputing it makes the schedule a function of (step, this run's train.steps) only.
     """
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, fused: bool = True):
+    """(optimizer, LambdaLR over all its param groups) for model, by cfg.name, scheduled to total_steps.
+
+    adamw: torch.optim.AdamW, decay on matrices (ndim >= 2) only. muon: muon.MuonAdamW with the
+    blocks' hidden matrices in a Muon group (decay cfg.weight_decay, momentum cfg.muon_momentum)
+    and the rest in AdamW groups as above; one LambdaLR scales every group. fused: the fused
+    AdamW kernel (CUDA, and CPU since torch 2.4); pass False when the parameters live in CPU
+    memory under CUDA offloading.
+    """
+    named = list(model.named_parameters())
+    muon = [p for n, p in named if cfg.name == "muon" and is_muon_matrix(n)]
+    taken = {id(p) for p in muon}
+    decay = [p for _, p in named if p.ndim >= 2 and id(p) not in taken]
+    no_decay = [p for _, p in named if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                  fused=fused or None)
+    if cfg.name == "muon":
+        groups.append({"params": muon, "weight_decay": cfg.weight_decay, "muon": True})
+        optimizer = MuonAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                              momentum=cfg.muon_momentum, fused=fused)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                      fused=fused or None)
     schedule = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-                                 min_ratio=cfg.min_lr_ratio)
+                                 min_ratio=cfg.min_lr_ratio, schedule=cfg.schedule, decay_fraction=cfg.decay_fraction,
+                                 decay_shape=cfg.decay_shape)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

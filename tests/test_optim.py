@@ -10,7 +10,7 @@ import math
 import pytest
 
 from model import ModelArgs, Transformer
-from optim import OptimConfig, build_optimizer
+from optim import OptimConfig, build_optimizer, reapply_schedule
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=16)
 LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110
@@ -75,3 +75,62 @@ def test_weight_decay_is_on_exactly_the_weight_matrices_and_every_parameter_is_i
     assert sorted(by_decay[0.0]) == sorted(not_decayed)
     in_groups = [id(p) for g in optimizer.param_groups for p in g["params"]]
     assert len(in_groups) == len(set(in_groups)) == len(name_of)  # each parameter exactly once
+
+
+D = 20  # WSD: decay over the last decay_fraction 0.2 of TOTAL = 110 steps, round(22) = 22
+WSD_START = TOTAL - 22
+
+
+@pytest.mark.parametrize("schedule, shape, step, want", [
+    ("wsd", "linear", 0, LR / WARMUP),                         # warmup as for cosine
+    ("wsd", "linear", WARMUP, LR),                             # stable at the peak ...
+    ("wsd", "linear", WSD_START, LR),                          # ... until the decay starts
+    ("wsd", "linear", WSD_START + 11, (LR + MIN_LR) / 2),      # half-way down, linear
+    ("wsd", "1-sqrt", WSD_START + 11, MIN_LR + (LR - MIN_LR) * (1 - math.sqrt(0.5))),
+    ("wsd", "1-sqrt", WSD_START + 22, MIN_LR),                 # the end: min LR
+    ("wsd", "linear", TOTAL + 3, MIN_LR),
+    ("linear", "linear", WARMUP + 50, (LR + MIN_LR) / 2),      # linear from the peak at W to min at T
+    ("linear", "linear", WARMUP + 25, MIN_LR + (LR - MIN_LR) * 0.75),
+    ("linear", "linear", TOTAL, MIN_LR),
+])
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_each_schedule_matches_its_closed_form_for_every_group(name, schedule, shape, step, want):
+    cfg = OptimConfig(name=name, lr=LR, min_lr_ratio=MIN_LR / LR, warmup_steps=WARMUP, schedule=schedule,
+                      decay_fraction=0.2, decay_shape=shape)
+    seen = lrs_by_step(cfg, TOTAL, step + 1)[step]
+    assert seen == pytest.approx([want] * (3 if name == "muon" else 2), rel=1e-12), step
+
+
+def test_muon_takes_exactly_the_blocks_matrices_and_adamw_the_rest():
+    model = Transformer(ARGS)
+    optimizer, _ = build_optimizer(model, OptimConfig(name="muon", weight_decay=0.1), 100, fused=False)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    groups = {(g["muon"], g["weight_decay"]): sorted(name_of[id(p)] for p in g["params"])
+              for g in optimizer.param_groups}
+    matrices = sorted(f"layers.{i}.{m}.weight" for i in range(ARGS.n_layers)
+                      for m in ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
+    assert groups[(True, 0.1)] == matrices
+    assert groups[(False, 0.1)] == ["output.weight", "tok_embeddings.weight"]
+    assert len(groups[(False, 0.0)]) == 2 * ARGS.n_layers + 1  # the norms
+
+
+def test_schedule_after_loading_follows_this_runs_total_steps():
+    """Decay from a checkpoint: a stable WSD run's scheduler state at step k, loaded into a run of N steps,
+    gives that run's closed form from step k on (not the saved run's LR)."""
+    stable = OptimConfig(lr=LR, min_lr_ratio=MIN_LR / LR, warmup_steps=WARMUP, schedule="wsd", decay_fraction=0.2)
+    opt, sched = build_optimizer(Transformer(ARGS), stable, 1000, fused=False)
+    k, n = 60, 70  # the branch decays over its last 14 steps: 56..69, so step 60 is already in the decay
+    for _ in range(k):
+        opt.step()
+        sched.step()
+    assert sched.get_last_lr()[0] == LR  # the stable run is at the peak
+    branch_opt, branch = build_optimizer(Transformer(ARGS), stable, n, fused=False)
+    branch_opt.load_state_dict(opt.state_dict())
+    branch.load_state_dict(sched.state_dict())
+    reapply_schedule(branch)  # what checkpoint.AppState.load_state_dict does
+    for step in range(k, n + 1):
+        want = MIN_LR + (LR - MIN_LR) * (1 - min(1.0, (step - 56) / 14))
+        assert [g["lr"] for g in branch_opt.param_groups] == pytest.approx([want, want], rel=1e-12), step
+        branch_opt.step()
+        branch.step()

@@ -1,0 +1,164 @@
+"""Muon for the blocks' hidden matrices and AdamW for the rest, in one optimizer that composes with every mesh.
+
+Muon (Jordan et al., 2024, https://kellerjordan.github.io/posts/muon/): momentum, Nesterov,
+then Newton-Schulz orthogonalisation of the update, with the LR scaled by Moonlight's
+0.2 * sqrt(max(m, n)) so the update RMS matches AdamW's (Liu et al., "Muon is Scalable for LLM
+Training", 2025; torch.optim.Muon's adjust_lr_fn="match_rms_adamw"). The math per matrix is
+torch.optim.Muon's (its Newton-Schulz function and LR rule are called, not copied); on one
+process the update equals torch.optim.Muon's.
+
+Distributed: a parameter and its gradient are DTensors (FSDP2 Shard(0); HSDP (Replicate,
+Shard(0)); under train_2d.py also sharded over "tp"). Momentum and weight decay are elementwise
+on the local shards, so the momentum buffer is a DTensor sharded like the parameter and DCP
+saves and reshards it as it does AdamW's moments. Newton-Schulz needs the whole matrix: the
+matrices are taken in rounds of W (the world size); in round j rank r owns matrix j*W + r. One
+all_to_all_single sends every rank's shard of each matrix to its owner, the owner
+orthogonalises the whole matrix, and a second all_to_all_single sends the shards back. A rank
+thus holds one full matrix at a time and does 1/W of the Newton-Schulz work; every rank sends
+and receives its own shards once each way per step (as much as a reduce-scatter of them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.optim._muon import (
+    DEFAULT_A,
+    DEFAULT_B,
+    DEFAULT_C,
+    DEFAULT_NS_STEPS,
+    EPS,
+    _adjust_lr,
+    _zeropower_via_newtonschulz,
+)
+from torch.optim.adamw import adamw
+
+ADJUST_LR_FN = "match_rms_adamw"
+"""torch.optim.Muon's name for Moonlight's 0.2 * sqrt(max(m, n)) LR rule."""
+MATRICES = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+"""The blocks' hidden matrices (Llama names) that Muon updates; everything else keeps AdamW."""
+
+
+def is_muon_matrix(name: str) -> bool:
+    """Whether the parameter of this (unwrapped or compiled) name is one of the blocks' hidden matrices."""
+    name = name.replace("_orig_mod.", "")
+    return name.startswith("layers.") and any(name.endswith(f"{m}.weight") for m in MATRICES)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer: param groups with "muon": True get Muon, the others AdamW (decoupled decay).
+
+    Muon groups: lr, weight_decay, momentum, nesterov, ns_steps, ns_coefficients, eps (all as
+    torch.optim.Muon, LR adjusted by ADJUST_LR_FN). AdamW groups: lr, betas, eps, weight_decay
+    (torch.optim.adamw's functional kernel, fused when fused=True). Parameters: plain tensors or
+    DTensors whose mesh spans the whole default process group; a Muon step is then collective.
+    State: AdamW "step", "exp_avg", "exp_avg_sq"; Muon "momentum_buffer" (fp32, like the grad).
+    """
+
+    def __init__(self, groups: list[dict], lr: float, betas=(0.9, 0.99), eps: float = 1e-8, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = DEFAULT_NS_STEPS, fused: bool = False) -> None:
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "muon": False, "momentum": momentum,
+                    "nesterov": nesterov, "ns_steps": ns_steps, "ns_coefficients": (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+                    "ns_eps": EPS}
+        super().__init__(groups, defaults)
+        self.fused = fused
+        self._index: dict[int, tuple] = {}  # id(param) -> (my flat indices, {owner: all ranks' indices}) once
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter with a gradient (collective when a Muon group holds DTensors)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            (self._muon_step if group["muon"] else self._adamw_step)(group)
+        return loss
+
+    def _adamw_step(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+              [], [s["step"] for s in states], foreach=False, fused=self.fused or None, amsgrad=False, beta1=beta1,
+              beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    def _muon_step(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        lr, mu = group["lr"], group["momentum"]
+        updates = []
+        for p in params:  # torch.optim.Muon's momentum and Nesterov, elementwise (on local shards for a DTensor)
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            updates.append(p.grad.lerp(buf, mu) if group["nesterov"] else buf)
+
+        def ns(full: torch.Tensor) -> torch.Tensor:
+            return _zeropower_via_newtonschulz(full, group["ns_coefficients"], group["ns_steps"], group["ns_eps"])
+
+        local = self._orthogonalise(params, updates, ns)
+        for p, o in zip(params, local):
+            p.mul_(1 - lr * group["weight_decay"])
+            target = p.to_local() if isinstance(p, DTensor) else p
+            target.add_(o.view(target.shape), alpha=-_adjust_lr(lr, ADJUST_LR_FN, p.shape))
+
+    def _orthogonalise(self, params, updates, ns) -> list[torch.Tensor]:
+        """Each update orthogonalised as a whole matrix; returns this rank's piece of each (local shape)."""
+        if not params or not isinstance(params[0], DTensor):
+            return [ns(u) for u in updates]
+        world, me = dist.get_world_size(), dist.get_rank()
+        dev = params[0].to_local().device  # NCCL sends CUDA tensors only
+        out: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
+        for start in range(0, len(params), world):
+            chunk = list(range(start, min(start + world, len(params))))
+            mine = start + me if start + me < len(params) else None
+            sends = [updates[i].to_local().reshape(-1).float() for i in chunk]
+            idx_all = self._owner_indices(params, chunk, mine)  # [per source rank flat indices] of my matrix
+            send_split = [s.numel() for s in sends] + [0] * (world - len(chunk))
+            recv_split = [len(i) for i in idx_all] if mine is not None else [0] * world
+            recv = torch.empty(sum(recv_split), dtype=torch.float32, device=dev)
+            dist.all_to_all_single(recv, torch.cat(sends), recv_split, send_split)
+            back = torch.empty(0, device=dev)
+            if mine is not None:
+                full = torch.empty(params[mine].numel(), dtype=torch.float32, device=dev)
+                full[torch.cat(idx_all)] = recv
+                o = ns(full.view(params[mine].shape)).float().reshape(-1)
+                back = torch.cat([o[i] for i in idx_all])
+            got = torch.empty(sum(send_split), dtype=torch.float32, device=dev)
+            dist.all_to_all_single(got, back, send_split, recv_split)
+            for i, piece in zip(chunk, got.split(send_split[:len(chunk)])):
+                out[i] = piece
+        return out
+
+    def _owner_indices(self, params, chunk: list[int], mine: int | None) -> list[torch.Tensor]:
+        """Flat global indices of every rank's local shard of params[mine] (once per round, then cached)."""
+        key = id(params[chunk[0]])
+        if key not in self._index:
+            world, dev = dist.get_world_size(), params[chunk[0]].to_local().device
+            own = []
+            for i in chunk:  # this rank's piece, split exactly as DTensor splits (no communication)
+                p = params[i]
+                if p.device_mesh.size() != world:
+                    raise ValueError(f"Muon needs parameters on a mesh over all {world} ranks, got {p.device_mesh}")
+                idx = torch.arange(p.numel(), device=dev).view(p.shape)
+                own.append(distribute_tensor(idx, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                           .reshape(-1))
+            sizes = torch.tensor([len(i) for i in own] + [0] * (world - len(chunk)), device=dev)
+            all_sizes = torch.empty(world * world, dtype=torch.int64, device=dev)
+            dist.all_gather_into_tensor(all_sizes, sizes)
+            recv_split = all_sizes.view(world, world)[:, dist.get_rank()].tolist()
+            recv = torch.empty(sum(recv_split), dtype=torch.int64, device=dev)
+            dist.all_to_all_single(recv, torch.cat(own), recv_split, sizes.tolist())
+            self._index[key] = list(recv.split(recv_split)) if mine is not None else []
+        return self._index[key]
