@@ -26,9 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from config import TrainConfig  # noqa: E402
+from model import PRESETS, ModelArgs, num_params  # noqa: E402
 
-SHAPE = ["--model.dim", "192", "--model.n_layers", "6", "--model.n_heads", "6", "--model.n_kv_heads", "2",
-         "--model.ffn_dim", "512"]
+SHAPE = {"dim": 192, "n_layers": 6, "n_heads": 6, "n_kv_heads": 2, "ffn_dim": 512}
+"""The benchmark's model: [model] fields over configs/debug.toml's debug preset."""
 LRS = ["1e-3", "3e-3", "1e-2"]
 VAL_EVERY = 8
 RECIPES = {  # name: (overrides, the TrainConfig field it needs or "")
@@ -40,10 +41,14 @@ RECIPES = {  # name: (overrides, the TrainConfig field it needs or "")
 
 
 def non_embedding_params() -> int:
-    """Parameters of SHAPE outside the embedding and the output projection."""
-    d, layers, heads, kv, ffn = 192, 6, 6, 2, 512
-    kv_dim = d // heads * kv
-    return layers * (2 * d * d + 2 * d * kv_dim + 3 * d * ffn + 2 * d) + d
+    """Parameters of SHAPE outside the embedding and the output projection (model.num_params less both)."""
+    a = ModelArgs(**{**PRESETS["debug"], **SHAPE})
+    return num_params(a) - 2 * a.vocab_size * a.dim
+
+
+def shape_flags() -> list[str]:
+    """SHAPE as --model.FIELD VALUE overrides."""
+    return [x for k, v in SHAPE.items() for x in (f"--model.{k}", str(v))]
 
 
 def run(workdir: str, name: str, overrides: list[str], steps: int, seed: int, data: str | None, log) -> list[dict]:
@@ -53,7 +58,7 @@ def run(workdir: str, name: str, overrides: list[str], steps: int, seed: int, da
         shutil.copytree(data, os.path.join(run_dir, "data"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            os.path.join(ROOT, "train_fsdp.py"), "--config", os.path.join(ROOT, "configs", "debug.toml"),
-           "--run_dir", run_dir, *SHAPE, "--train.steps", str(steps), "--train.seed", str(seed),
+           "--run_dir", run_dir, *shape_flags(), "--train.steps", str(steps), "--train.seed", str(seed),
            "--optim.warmup_steps", str(max(1, steps // 10)), "--train.val_interval", str(VAL_EVERY),
            "--checkpoint.interval", "100000", "--train.log_interval", "10", *overrides]
     t = time.perf_counter()
