@@ -29,6 +29,7 @@ from errors import ConfigError, SetupError
 from metrics import MetricsConfig, check_metrics
 from model import PRESETS, ModelArgs
 from optim import OptimConfig
+from context_parallel import check_cp_layout
 from parallelize import ParallelConfig, check_layout
 from profiling import parse_steps
 from rundir import RunDir
@@ -176,7 +177,9 @@ def validate(cfg: Config, world_size: int) -> None:
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
-    dp = world_size // tp
+    m = cfg.model
+    check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
+    dp = world_size // (tp * cfg.parallel.cp)
     g, micro = t.global_batch_size, t.micro_batch(dp)
     if not t.micro_batch_size and (g <= 0 or g % dp):  # the user set only the global batch
         raise SetupError(f"train.global_batch_size ({g}) must be a positive multiple of data-parallel size ({dp}), "

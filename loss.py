@@ -103,21 +103,23 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
 
 
 def token_loss_sum(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                   chunk_size: int = 0) -> torch.Tensor:
+                   chunk_size: int = 0, layout=None) -> torch.Tensor:
     """Sum over tokens of the fp32 cross-entropy of next-token prediction.
 
     model: a model.Transformer (whole or parallelized); inputs, labels: (batch, seq) int64 on
     its device. chunk_size > 0: the output projection and loss run chunk by chunk (see
     chunked_cross_entropy_sum); 0: on the full logits. Returns a 0-dim fp32 tensor (a
     replicated DTensor under loss_parallel: see scalar). Call inside loss_context(mesh), and
-    with chunk_size 0 under tensor parallelism.
+    with chunk_size 0 under tensor parallelism. layout: the model.SequenceLayout of inputs
+    and labels when they are one CP rank's slice of longer windows (context_parallel.shard_batch).
     """
+    kw = {} if layout is None else {"layout": layout}  # other model classes (benchmarks) take no layout
     if chunk_size > 0:
         def head(output, hidden):
             return chunked_cross_entropy_sum(hidden.flatten(0, 1), output.weight, labels.flatten(), chunk_size)
 
-        return model(inputs, head=head)
-    logits = model(inputs)
+        return model(inputs, head=head, **kw)
+    logits = model(inputs, **kw)
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 

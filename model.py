@@ -12,7 +12,10 @@ RoPE uses the "rotate half" layout of Hugging Face's ``LlamaForCausalLM``, so ex
 weights need no permutation.
 
 Parallelism is applied from outside: attention infers its local head count from the width
-of the projections, so the same code runs whole or with column-sharded ``wq``/``wk``/``wv``.
+of the projections, so the same code runs whole or with column-sharded ``wq``/``wk``/``wv``;
+its kernel is the replaceable ``Attention.attend`` (context_parallel.py swaps in Ulysses), and a
+forward on a slice of longer windows takes the slice's ``SequenceLayout`` (positions and the
+windows' documents, computed here from the whole windows by ``slice_layout``).
 Decoding (generate.py) runs this same forward with a ``KVCache`` per layer, unsharded.
 """
 from __future__ import annotations
@@ -175,6 +178,34 @@ def block_mask(doc: Tensor) -> BlockMask:
     return create_block_mask(mask_mod, doc.shape[0], None, doc.shape[1], doc.shape[1], device=doc.device)
 
 
+@dataclasses.dataclass
+class SequenceLayout:
+    """Where a slice of tokens sits in its whole windows (context parallelism: one rank's share of each window).
+
+    positions: (batch, slice) int64, the RoPE position of every token of the slice, taken from
+    the whole windows' positions (restarting at each [EOT] under document_mask).
+    doc: (batch, seq) int64 document ids of the whole windows, for the attention mask that the
+    attention kernel applies over the whole sequence; None for plain causal attention.
+    """
+
+    positions: Tensor
+    doc: Tensor | None = None
+
+
+def slice_layout(tokens: Tensor, lo: int, hi: int, document_mask: bool, eot_id: int) -> SequenceLayout:
+    """The SequenceLayout of tokens[:, lo:hi] within whole windows tokens (batch, seq) int64.
+
+    Computed from the whole windows, so a document that crosses the slice boundary keeps its
+    positions and its mask. Under document_mask a batch without eot_id is plain causal (doc
+    None), as Transformer.forward does for whole windows.
+    """
+    if document_mask and bool((tokens == eot_id).any()):
+        doc, pos = document_positions(tokens, eot_id)
+        return SequenceLayout(pos[:, lo:hi].contiguous(), doc)
+    pos = torch.arange(lo, hi, device=tokens.device).expand(tokens.shape[0], hi - lo)
+    return SequenceLayout(pos, None)
+
+
 @functools.cache
 def _flex_attention():
     # Compiled once per process: eager FlexAttention materialises the scores and is slow.
@@ -198,8 +229,33 @@ class KVCache:
         return self.k[:, :end], self.v[:, :end]
 
 
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None) -> Tensor:
+    """Grouped-query attention of q (batch, seq_q, heads, head_dim) over k, v (batch, seq_k, kv_heads, head_dim).
+
+    mask: None (causal), SDPA's boolean (batch, 1, seq_q, seq_k), or a FlexAttention BlockMask.
+    Returns (batch, seq_q, heads, head_dim) in q's dtype. The default Attention.attend.
+    """
+    n_rep = q.shape[2] // k.shape[2]
+    # (bsz, heads, seq, head_dim). The CPU kernel shares K/V heads itself (enable_gqa, no copies);
+    # elsewhere K/V are repeated so every SDPA kernel applies.
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if isinstance(mask, BlockMask):
+        out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=n_rep > 1)
+    else:
+        gqa = n_rep > 1 and q.device.type == "cpu"
+        if n_rep > 1 and not gqa:
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; optionally masked to documents or reading a KV cache."""
+    """Causal grouped-query attention with RoPE; optionally masked to documents or reading a KV cache.
+
+    attend(q, k, v, mask): the kernel (see attention), an attribute so that parallelism can
+    replace it from outside (context_parallel.py's Ulysses runs it over the whole sequence).
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -208,6 +264,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.attend: Callable[[Tensor, Tensor, Tensor, Tensor | BlockMask | None], Tensor] = attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None,
                 cache: KVCache | None = None, start: int = 0) -> Tensor:
@@ -224,19 +281,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, start)  # (bsz, start + seq, kv heads, head_dim)
-        n_rep = q.shape[2] // k.shape[2]
-        # (bsz, heads, seq, head_dim). The CPU kernel shares K/V heads itself (enable_gqa, no copies);
-        # elsewhere K/V are repeated so every SDPA kernel applies.
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if isinstance(mask, BlockMask):
-            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=n_rep > 1)
-        else:
-            gqa = n_rep > 1 and q.device.type == "cpu"
-            if n_rep > 1 and not gqa:
-                k = k.repeat_interleave(n_rep, dim=1)
-                v = v.repeat_interleave(n_rep, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+        out = self.attend(q, k, v, mask)
+        return self.wo(out.reshape(bsz, seq_len, -1))
 
 
 class FeedForward(nn.Module):
@@ -287,7 +333,7 @@ class Transformer(nn.Module):
         self.init_weights(seed=0)
 
     def forward(self, tokens: Tensor, head: Callable[[nn.Module, Tensor], Tensor] | None = None,
-                cache: list[KVCache] | None = None, start: int = 0) -> Tensor:
+                cache: list[KVCache] | None = None, start: int = 0, layout: SequenceLayout | None = None) -> Tensor:
         """tokens: (batch, seq) int64 with seq <= max_seq_len. Returns fp32 logits (batch, seq, vocab).
 
         head: applied as head(self.output, h) to the final norm's output h (batch, seq, dim)
@@ -301,6 +347,10 @@ class Transformer(nn.Module):
         generation, one document (a prompt starting with [EOT], stopped at the next), whose
         document layout is the causal one. Raises ValueError when start + seq exceeds
         max_seq_len (the RoPE table) or the cache, or for start < 0 or start without a cache.
+
+        layout (no cache): tokens are a slice of longer windows (context parallelism), with the
+        slice's RoPE positions and the whole windows' documents (see slice_layout); the mask
+        is that of the whole windows, for an Attention.attend that attends over them.
         """
         seq_len = tokens.shape[1]
         if start + seq_len > self.args.max_seq_len:
@@ -313,6 +363,10 @@ class Transformer(nn.Module):
             cos, sin = cos[start:], sin[start:]
             if start:
                 mask = torch.ones(seq_len, start + seq_len, dtype=torch.bool, device=tokens.device).tril(start)
+        elif layout is not None:
+            cos, sin = self.rope_cos[layout.positions], self.rope_sin[layout.positions]
+            if layout.doc is not None:
+                mask = block_mask(layout.doc) if tokens.device.type == "cuda" else block_causal_mask(layout.doc)
         elif self.args.document_mask:
             cos, sin, mask = self._document_layout(tokens)
         h = self.tok_embeddings(tokens)

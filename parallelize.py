@@ -1,7 +1,8 @@
 """Parallelism, applied from outside in one place: the mesh, then TP, AC, compile, FSDP2, init.
 
 Order (each step needs the one before):
-build on the meta device -> tensor-parallel plan (2D only) -> activation checkpointing ->
+build on the meta device -> tensor-parallel plan (2D only) -> Ulysses attention (parallel.cp > 1,
+context_parallel.py) -> activation checkpointing ->
 compile -> ``fully_shard`` each block, then the root -> ``to_empty`` -> ``init_weights``.
 TP first because FSDP2 shards the DTensors TP made; checkpointing and compile wrap the
 blocks FSDP2 then shards as units; weights are initialised only once they exist on the
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from context_parallel import apply_ulysses
 from errors import ConfigError, SetupError
 from model import ModelArgs, Transformer
 
@@ -41,6 +43,8 @@ class ParallelConfig:
     """How many blocks ahead FSDP gathers parameters in forward and backward."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA runs only)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split into cp contiguous slices, one per rank of a CP group, with Ulysses attention (all-to-all of heads); FSDP shards over the data-parallel and CP ranks together. n_heads, n_kv_heads and seq_len must divide by cp (x tp). Both scripts."""
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -50,25 +54,29 @@ class ParallelConfig:
                               f"the number of nodes (HSDP)")
         if self.prefetch < 1:
             raise ConfigError(f"parallel.prefetch must be >= 1, got {self.prefetch}")
+        if self.cp < 1:
+            raise ConfigError(f"parallel.cp must be >= 1, got {self.cp}")
 
 
 def check_layout(cfg: ParallelConfig, world_size: int, local_world_size: int) -> None:
     """The mesh's layout checks, before any collective: raises SetupError naming the numbers and the fix.
 
     world_size and local_world_size are torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE (ranks of
-    this node). The ranks must split into dp_replicate x dp_shard x tp; a TP group (the
+    this node). The ranks must split into dp_replicate x dp_shard x cp x tp; a TP group (the
     ranks that communicate in every layer) must not span nodes, which with torchrun's
     node-by-node rank order means tp divides the ranks of a node.
     """
-    tp, rep = cfg.tp, cfg.dp_replicate
-    if world_size % tp:
-        raise SetupError(f"world size {world_size} is not divisible by parallel.tp ({tp}); launch a multiple of "
-                         f"{tp} processes or change parallel.tp")
-    dp = world_size // tp
+    tp, rep, cp = cfg.tp, cfg.dp_replicate, cfg.cp
+    if world_size % (tp * cp):
+        what = "parallel.tp" if cp == 1 else "parallel.cp" if tp == 1 else "parallel.cp x parallel.tp"
+        raise SetupError(f"world size {world_size} is not divisible by {what} ({tp * cp}); launch a multiple of "
+                         f"{tp * cp} processes or change {what}")
+    dp = world_size // (tp * cp)
     if dp % rep:
         fix = f"use a divisor of {dp} (the number of nodes is usual)" if dp > 1 else "use parallel.dp_replicate 1"
+        div = f"parallel.tp {tp}" if cp == 1 else f"(parallel.cp {cp} x parallel.tp {tp})"
         raise SetupError(f"parallel.dp_replicate ({rep}) does not divide the {dp} data-parallel rank(s) (world size "
-                         f"{world_size} / parallel.tp {tp}); {fix} or launch a multiple of {rep * tp} processes")
+                         f"{world_size} / {div}); {fix} or launch a multiple of {rep * tp * cp} processes")
     if local_world_size % tp:
         raise SetupError(f"parallel.tp ({tp}) does not divide the {local_world_size} process(es) of this node "
                          f"(LOCAL_WORLD_SIZE), so a TP group would span nodes; use a parallel.tp that divides "
@@ -77,7 +85,7 @@ def check_layout(cfg: ParallelConfig, world_size: int, local_world_size: int) ->
 
 def shard_group_note(cfg: ParallelConfig, world_size: int, local_world_size: int) -> str:
     """A notice when each FSDP shard group spans nodes (its all-gathers then cross the slow links), else ''."""
-    group = world_size // cfg.dp_replicate  # dp_shard x tp consecutive ranks
+    group = world_size // cfg.dp_replicate  # dp_shard x cp x tp consecutive ranks
     if group <= local_world_size or world_size <= local_world_size:
         return ""
     # This rank sees only its own node's size; the node count is exact when every node runs as many ranks.
@@ -87,26 +95,33 @@ def shard_group_note(cfg: ParallelConfig, world_size: int, local_world_size: int
             f"number of nodes) keeps them inside a node (HSDP)")
 
 
-def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate: int = 1) -> DeviceMesh:
+def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate: int = 1, cp: int = 1) -> DeviceMesh:
     """The device mesh (collective), with a "dp" dimension over every data-parallel rank.
 
     ("dp",) of world_size, or ("dp", "tp") of (world_size / tp, tp) when tp > 1. With
     dp_replicate > 1 (HSDP) the data-parallel ranks split into ("dp_replicate", "dp_shard")
     (then "tp"), and dp_mesh(mesh) is those two flattened: the loader, validation and the loss
-    scaling see one data-parallel group whatever the layout. Consecutive ranks form a TP group, then a
-    shard group, so with torchrun's rank order (node by node) both stay inside a node when
-    their sizes divide the node's ranks. The caller has checked that tp x dp_replicate
-    divides world_size.
+    scaling see one data-parallel group whatever the layout. With cp > 1 a "cp" dimension
+    comes before "tp" (order: dp_replicate, dp_shard, cp, tp), and the flattened meshes
+    fsdp_mesh and loss_mesh join it to the data-parallel ranks. Consecutive ranks form a TP
+    group, then a CP group, then a shard group, so with torchrun's rank order (node by node)
+    they stay inside a node when their sizes divide the node's ranks. The caller has checked
+    that tp x cp x dp_replicate divides world_size.
     """
-    dp = world_size // tp
+    dp = world_size // (tp * cp)
     if dp_replicate > 1:
         names, shape = ("dp_replicate", "dp_shard"), (dp_replicate, dp // dp_replicate)
     else:
         names, shape = ("dp",), (dp,)
+    if cp > 1:
+        names, shape = names + ("cp",), shape + (cp,)
     if tp > 1:
         names, shape = names + ("tp",), shape + (tp,)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    dp_mesh(mesh)  # creates the flattened group now, while every rank is here
+    # The flattened groups are created now, while every rank is here.
+    dp_mesh(mesh)
+    fsdp_mesh(mesh)
+    loss_mesh(mesh)
     return mesh
 
 
@@ -122,10 +137,34 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh fully_shard takes: ("dp_replicate", "dp_shard") for HSDP (shard, then all-reduce across replicas), else ("dp",)."""
-    if "dp_replicate" in (mesh.mesh_dim_names or ()):
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp"]
+    """The mesh fully_shard takes: ("dp_replicate", "dp_shard") for HSDP (shard, then all-reduce across replicas), else ("dp",).
+
+    With a "cp" dimension the shard dimension is the data-parallel shard ranks and the CP
+    ranks flattened ("dp_shard_cp", torchtitan's name), so CP costs no parameter memory and
+    each gradient is reduced over every rank that saw a part of the batch.
+    """
+    names = mesh.mesh_dim_names or ()
+    shard = "dp_shard" if "dp_replicate" in names else "dp"
+    if "cp" in names:
+        mesh[shard, "cp"]._flatten("dp_shard_cp")
+        shard = "dp_shard_cp"
+    if "dp_replicate" in names:
+        return mesh["dp_replicate", shard]
+    return mesh[shard]
+
+
+def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh over every rank that holds its own tokens: dp_mesh, with the CP ranks joined when there are.
+
+    The step's loss sum and validation's sums are reduced over it, and its size is the count
+    FSDP averages gradients over (forward_backward scales the loss by it).
+    """
+    names = mesh.mesh_dim_names or ()
+    if "cp" not in names:
+        return dp_mesh(mesh)
+    if "dp_replicate" not in names:
+        return fsdp_mesh(mesh)  # ("dp", "cp") flattened already
+    return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
 
 
 def selective_policy(ctx, op, *args, **kwargs):
@@ -144,11 +183,14 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
     dtype: 'bfloat16' (mixed precision: bf16 compute, fp32 master weights and gradient
     reductions) or 'float32'. activation_checkpointing: 'none', 'full' or 'selective' (keep
     matmul outputs). FSDP2 shards over the mesh's "dp" dimension, or with HSDP over "dp_shard"
-    and replicates over "dp_replicate" (see fsdp_mesh).
+    and replicates over "dp_replicate", with the "cp" ranks joined to the shard dimension
+    (see fsdp_mesh); a "cp" dimension swaps each attention kernel for Ulysses'.
     """
     if "tp" in (mesh.mesh_dim_names or ()):
         # src_data_rank=None: nothing is copied; init_weights fills the shards afterwards.
         parallelize_module(model, mesh["tp"], tp_plan, src_data_rank=None)
+    if "cp" in (mesh.mesh_dim_names or ()):
+        apply_ulysses(model, mesh["cp"])
     for block in model.layers:
         if activation_checkpointing == "full":
             activation_checkpoint(block)

@@ -35,6 +35,7 @@ from checkpoint import (
     saved_config,
 )
 from config import Config, check_tokenizer, compute_dtype, parse_config, validate
+from context_parallel import shard_batch
 from data import PackedCorpus, mixture_note
 from downstream import Task, evaluate_tasks, load_tasks
 from errors import PeerError, SetupError, TrainingError, UserError, report
@@ -43,7 +44,7 @@ from loss import applied_chunk_size, has_tp, loss_context, scalar, token_loss_su
 from metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from model import Transformer, flops_per_token, num_params
 from optim import build_optimizer
-from parallelize import TPPlan, build_mesh, build_model, copy_sharded, dp_mesh, shard_group_note
+from parallelize import TPPlan, build_mesh, build_model, copy_sharded, dp_mesh, loss_mesh, shard_group_note
 from prepare import prepare_on_all_ranks
 from profiling import StepProfiler, parse_steps
 from progress import Progress
@@ -61,16 +62,19 @@ def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device,
     loss.token_loss_sum (ignored when mesh has "tp"). Every micro-batch's loss sum
     is divided by n_targets, the global count of target tokens of the step, and multiplied by
     dp_size because FSDP averages gradients over data-parallel ranks: the gradient is exactly
-    that of the global mean token loss, however the batch is split. Returns this rank's
-    summed token loss, a 0-dim fp32 tensor on device (no host sync).
+    that of the global mean token loss, however the batch is split. With a "cp" dimension each
+    rank runs its slice of every window (context_parallel.shard_batch) and dp_size must count
+    the CP ranks too (loss_mesh(mesh).size(): FSDP averages over them as well). Returns this
+    rank's summed token loss, a 0-dim fp32 tensor on device (no host sync).
     """
     loss_sum = torch.zeros((), device=device)
     context, chunk = loss_context(mesh), applied_chunk_size(mesh, loss_chunk_size)
     for i, (inputs, labels) in enumerate(micro_batches):
         model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per step
         with context():
-            loss = token_loss_sum(model, inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True),
-                                  chunk)
+            inputs, labels, layout = shard_batch(model, inputs.to(device, non_blocking=True),
+                                                 labels.to(device, non_blocking=True), mesh)
+            loss = token_loss_sum(model, inputs, labels, chunk, layout)
             (loss * (dp_size / n_targets)).backward()
         loss_sum += scalar(loss).detach()
     return loss_sum
@@ -112,7 +116,7 @@ class StepResult:
     """Target tokens of the step's global batch."""
 
     def global_loss(self, dp_group) -> float:
-        """The mean token loss of the step's global batch (collective over the data-parallel group; syncs)."""
+        """The mean token loss of the step's global batch (collective over dp_group, loss_mesh's group; syncs)."""
         total = self.loss_sum.clone()
         dist.all_reduce(total, group=dp_group)
         return total.item() / self.n_targets
@@ -149,13 +153,14 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     cfg = s.cfg
     n_targets = cfg.train.global_batch_size * cfg.data.seq_len  # packed: every label is a target
     lr = s.scheduler.get_last_lr()[0]
-    loss_sum = forward_backward(s.model, micro_batches, n_targets, s.dp, s.device, s.mesh, cfg.train.loss_chunk_size)
+    ranks = loss_mesh(s.mesh).size()  # the data-parallel x CP ranks FSDP averages gradients over
+    loss_sum = forward_backward(s.model, micro_batches, n_targets, ranks, s.device, s.mesh, cfg.train.loss_chunk_size)
     if after_backward is not None:
         after_backward(s.model)
     try:
         norm = optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, s.device, cfg.train.nonfinite == "skip")
     except NonFiniteError as e:
-        raise NonFiniteError(f"{e} (loss {loss_sum.item() / n_targets * s.dp:.4g} on rank {s.rank})") from None
+        raise NonFiniteError(f"{e} (loss {loss_sum.item() / n_targets * ranks:.4g} on rank {s.rank})") from None
     s.scheduler.step()
     s.train_state.step += 1
     s.train_state.tokens_seen += n_targets
@@ -204,7 +209,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     tp_plan: train_2d.py's plan, used when cfg.parallel.tp > 1. Raises SetupError (on every
     rank) for bad data or a checkpoint that does not fit the model.
     """
-    mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate)
+    mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate, cfg.parallel.cp)
     data_parallel = dp_mesh(mesh)
     dp = data_parallel.size()
     torch.manual_seed(cfg.train.seed)
@@ -293,6 +298,7 @@ def train(s: Session) -> int:
     """
     cfg, rank, device, dp, mesh = s.cfg, s.rank, s.device, s.dp, s.mesh
     data_parallel = dp_mesh(mesh)  # looked up once, not at every logged step
+    loss_group = loss_mesh(mesh).get_group()  # the ranks holding their own tokens: data-parallel x CP
     loader, train_state, ckpt, run_dir = s.loader, s.train_state, s.ckpt, RunDir(cfg.run_dir)
     opened = {}
 
@@ -345,7 +351,7 @@ def train(s: Session) -> int:
         if step % cfg.train.log_interval == 0 or step == cfg.train.steps:
             grad_norm = result.grad_norm.item()
             tps = (train_state.tokens_seen - tokens_last) / (time.perf_counter() - t_last)
-            record = {"step": step, "loss": result.global_loss(data_parallel.get_group()), "lr": result.lr,
+            record = {"step": step, "loss": result.global_loss(loss_group), "lr": result.lr,
                       "grad_norm": grad_norm, "tokens_per_sec": tps, "mfu": tps * fpt / peak_total,
                       "tokens_seen": train_state.tokens_seen,
                       "epoch": loader.epoch, "peak_mem_gib": peak_memory_gib(device), **loader.source_tokens()}
@@ -357,7 +363,7 @@ def train(s: Session) -> int:
 
         paused = time.perf_counter()
         if val and cfg.train.val_interval and (step % cfg.train.val_interval == 0 or step == cfg.train.steps):
-            sums = {v.name: loss_sum_and_count(s.model, v, device, mesh, data_parallel.get_group(),
+            sums = {v.name: loss_sum_and_count(s.model, v, device, mesh, loss_group,
                                                cfg.train.loss_chunk_size) for v in val}  # each source alone
             val_losses = {name: total / count for name, (total, count) in sums.items()}
             record = val_record(val_losses, val)

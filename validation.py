@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from context_parallel import cp_size, shard_batch
 from data import PackedCorpus
 from loss import applied_chunk_size, loss_context, scalar, token_loss_sum
 
@@ -95,19 +96,22 @@ def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device,
     """(sum of token losses in nats, number of targets) over every rank's share of vs (collective over dp_group).
 
     Training's loss (loss.token_loss_sum: fp32 cross-entropy, chunked as applied on mesh),
-    forward only: under no_grad the chunked loss computes no gradient. Every rank runs
+    forward only: under no_grad the chunked loss computes no gradient. With a "cp" dimension
+    each rank scores its slice of every window (context_parallel.shard_batch), and dp_group
+    must be parallelize.loss_mesh's (data-parallel x CP) so that every slice is counted once. Every rank runs
     vs.n_forward passes. Afterwards each FSDP module is resharded, so that with
     parallel.reshard_after_forward false the parameters a forward left gathered are freed
     now, not at the next backward. The model is left in train mode.
     """
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    spare = (torch.zeros(1, 1, dtype=torch.long),) * 2  # for a rank with no window at all
+    spare = (torch.zeros(1, cp_size(mesh), dtype=torch.long),) * 2  # for a rank with no window at all
     chunk = applied_chunk_size(mesh, loss_chunk_size)
     with loss_context(mesh)():
         for i in range(vs.n_forward):
             inputs, labels = vs.batches[min(i, len(vs.batches) - 1)] if vs.batches else spare
-            loss = token_loss_sum(model, inputs.to(device), labels.to(device), chunk)
+            inputs, labels, layout = shard_batch(model, inputs.to(device), labels.to(device), mesh)
+            loss = token_loss_sum(model, inputs, labels, chunk, layout)
             if i < len(vs.batches):
                 total[0] += scalar(loss).double()
                 total[1] += labels.numel()
