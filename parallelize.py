@@ -146,8 +146,10 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     names = mesh.mesh_dim_names or ()
     shard = "dp_shard" if "dp_replicate" in names else "dp"
     if "cp" in names:
-        mesh[shard, "cp"]._flatten("dp_shard_cp")
-        shard = "dp_shard_cp"
+        flat = mesh[shard, "cp"]._flatten("dp_shard_cp")
+        if "dp_replicate" not in names:
+            return flat
+        shard = "dp_shard_cp"  # HSDP x CP: the 2-D (dp_replicate, dp_shard_cp) mesh, as torchtitan slices it
     if "dp_replicate" in names:
         return mesh["dp_replicate", shard]
     return mesh[shard]

@@ -14,7 +14,8 @@ saves with torch.save a dict:
     replicated   {name: float}           after the last step, for parameters replicated over
                                          "tp": the largest |difference| between TP ranks' copies
     logits       Tensor (B, T, vocab)    with --logits_of FILE: the initial model's fp32 logits of
-                                         the token batch torch.load(FILE), gathered whole
+                                         the token batch torch.load(FILE), gathered whole (over
+                                         "tp" and, with --parallel.cp, over the CP slices)
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ import distributed  # noqa: E402
 import train_2d  # noqa: E402
 import trainer  # noqa: E402
 from config import parse_config  # noqa: E402
-from parallelize import dp_mesh  # noqa: E402
+from context_parallel import cp_size, shard_batch  # noqa: E402
+from parallelize import loss_mesh  # noqa: E402
 
 
 def replica_spread(model, tp_mesh) -> dict[str, float]:
@@ -63,9 +65,16 @@ def main() -> None:
     result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {},
               "init": {name: p.full_tensor().detach().cpu().clone() for name, p in s.model.named_parameters()}}
     if args.logits_of:
-        with torch.no_grad():
-            logits = s.model(torch.load(args.logits_of).to(device))
-        result["logits"] = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).cpu()
+        tokens = torch.load(args.logits_of).to(device)
+        with torch.no_grad():  # under parallel.cp each rank runs its slice of the windows, then they are joined
+            inputs, _, layout = shard_batch(s.model, tokens, tokens, s.mesh)
+            logits = s.model(inputs, layout=layout)
+        logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).contiguous()
+        if cp_size(s.mesh) > 1:
+            parts = [torch.empty_like(logits) for _ in range(cp_size(s.mesh))]
+            dist.all_gather(parts, logits, group=s.mesh["cp"].get_group())
+            logits = torch.cat(parts, dim=1)
+        result["logits"] = logits.cpu()
 
     def keep_grads(model):
         # clone: on one rank full_tensor() may share storage with the gradient, which clipping scales in place
@@ -74,7 +83,7 @@ def main() -> None:
 
     for _ in range(cfg.train.steps):
         step = trainer.train_step(s, s.loader.next_step(), after_backward=keep_grads)  # the loop's own step
-        result["losses"].append(step.global_loss(dp_mesh(s.mesh).get_group()))
+        result["losses"].append(step.global_loss(loss_mesh(s.mesh).get_group()))
         result["grad_norms"].append(step.grad_norm.item())
     if args.tp > 1:
         result["replicated"] = replica_spread(s.model, s.mesh["tp"])
