@@ -91,6 +91,29 @@ def test_global_batch_not_divisible_by_world_size(existing_run, monkeypatch, cap
     assert rc == 2 and "train.global_batch_size (15) must be a positive multiple of data-parallel size (2)" in err
 
 
+CP_LAYOUTS = [  # (argv, world size, message): context parallelism's layout, before the process group
+    (["--parallel.cp", "2", "--data.seq_len", "127"], 2, "data.seq_len (127) is not divisible by parallel.cp (2): "),
+    (["--parallel.cp", "2"], 3, "world size 3 is not divisible by parallel.cp (2); launch a multiple of 2"),
+    (["--parallel.cp", "2", "--parallel.dp_replicate", "2"], 2,
+     "parallel.dp_replicate (2) does not divide the 1 data-parallel rank(s) (world size 2 / (parallel.cp 2 x"),
+    (["--parallel.cp", "4"], 4, "model.n_kv_heads (2) is not divisible by parallel.cp (4): Ulysses attention gives "
+                                "every CP rank whole heads; use parallel.cp in [1, 2]"),
+    (["--parallel.cp", "0"], 1, "parallel.cp must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("argv, world_size, msg", CP_LAYOUTS)
+def test_bad_context_parallel_layout_fails_before_any_collective(tmp_path, monkeypatch, capsys, argv, world_size, msg):
+    def reached(*args, **kwargs):
+        raise AssertionError("the process group was being created: the layout was not checked first")
+
+    monkeypatch.setattr(distributed, "init_distributed", reached)
+    rd = tmp_path / "run"
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(rd), *argv, world_size=world_size)
+    assert rc == 2 and err.startswith("error: ") and msg in err and err.count("\n") == 1, err
+    assert not rd.exists()  # checked before config.validate creates the run directory
+
+
 @pytest.mark.slow
 def test_tokenizer_larger_than_the_model(existing_run, monkeypatch, capsys, big_tokenizer):
     rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), "--data.tokenizer", big_tokenizer,
