@@ -22,6 +22,7 @@ import torch
 import cli
 import datacache
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
+from context_parallel import check_cp_layout
 from data import DataConfig
 from distributed import local_world_size, resolve_device
 from downstream import EvalConfig, check_tasks
@@ -29,7 +30,6 @@ from errors import ConfigError, SetupError
 from metrics import MetricsConfig, check_metrics
 from model import PRESETS, ModelArgs
 from optim import OptimConfig
-from context_parallel import check_cp_layout
 from parallelize import ParallelConfig, check_layout
 from profiling import parse_steps
 from rundir import RunDir
