@@ -11,6 +11,8 @@ Checks (each prints one PASS/FAIL line with its figures):
            backward, at the 1B preset's head shape (bf16: max abs diff <= 2e-2; fp32: <= 1e-4)
   chunked  peak memory (torch.cuda.max_memory_allocated) of the loss step at vocab 128,256 with and
            without train.loss_chunk_size; loss equal within 1e-4 relative
+  cp       (2 GPUs; skipped on one) the debug model with document_mask, fp32, 4 steps on 1 GPU vs cp 2
+           (Ulysses over NCCL, FlexAttention over the whole sequence): losses within 1e-4 relative
   speed    the llama3_1b preset, bf16, compiled, 20 steps at the largest micro-batch that fits,
            with and without the chunked loss: tokens/s, MFU against 989 TFLOP/s, peak memory
            (informational: no threshold)
@@ -40,7 +42,7 @@ from config import parse_config  # noqa: E402
 from loss import token_loss_sum  # noqa: E402
 from model import PRESETS, ModelArgs, block_causal_mask, block_mask, flops_per_token  # noqa: E402
 
-CHECKS = ("nccl", "bf16", "flex", "chunked", "speed")
+CHECKS = ("nccl", "bf16", "flex", "chunked", "cp", "speed")
 H200_BF16_TFLOPS = 989.0
 SPEED_SEQ_LEN = 2048
 SPEED_MICRO_BATCHES = (16, 8, 4, 2, 1)
@@ -54,6 +56,8 @@ def plan(args) -> list[str]:
         "bf16": "bf16: debug model, seq 128, batch 8: one step with train.dtype bfloat16 vs float32, same seed",
         "flex": "flex: q/k/v (2, 32 heads, 2048, 64), 8 KV heads, 5 documents a row: FlexAttention vs SDPA mask",
         "chunked": f"chunked: dim 2048, vocab 128,256, 2 x 4096 tokens: loss step peak memory, chunk {CHUNK} vs none",
+        "cp": "cp: debug model, document_mask, fp32, 4 steps: train_fsdp.py on 1 GPU vs --parallel.cp 2 on 2 GPUs "
+              "(skipped with fewer)",
         "speed": f"speed: llama3_1b, bf16, compile, seq {SPEED_SEQ_LEN}, micro-batch the largest of "
                  f"{SPEED_MICRO_BATCHES} that fits, {args.steps} timed steps, loss_chunk_size 0 and {CHUNK}",
     }
@@ -137,6 +141,34 @@ def check_chunked(device) -> tuple[bool, str]:
     rel = abs(chunk_loss - full_loss) / full_loss
     return rel <= 1e-4, (f"loss step peak above the inputs: full logits {full_gib:.2f} GiB, chunks of {CHUNK} "
                          f"{chunk_gib:.2f} GiB ({chunk_gib / full_gib:.2f}x); loss relative difference {rel:.1e}")
+
+
+def check_cp() -> tuple[bool, str]:
+    """Context parallelism on CUDA: 1 GPU vs cp 2 on 2 GPUs, each a torchrun of train_fsdp.py; skipped on one GPU."""
+    import subprocess
+    import tempfile
+
+    if torch.cuda.device_count() < 2:
+        return True, f"skipped: needs 2 GPUs, {torch.cuda.device_count()} visible"
+    tmp = tempfile.mkdtemp(prefix="gpu_check_cp_")
+    common = ["--config", os.path.join(ROOT, "configs", "debug.toml"), "--train.device", "cuda", "--train.dtype",
+              "float32", "--train.steps", "4", "--train.val_interval", "0", "--checkpoint.interval", "1000",
+              "--model.n_kv_heads", "4", "--model.document_mask", "true"]
+    runs = {}
+    for name, n, extra in (("cp1", 1, []), ("cp2", 2, ["--parallel.cp", "2"])):
+        rd = os.path.join(tmp, name)
+        if runs:  # the corpus tokenized once
+            os.makedirs(rd)
+            subprocess.run(["cp", "-r", os.path.join(tmp, "cp1", "data"), rd], check=True)
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                               os.path.join(ROOT, "train_fsdp.py"), *common, "--run_dir", rd, *extra],
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode:
+            return False, f"{name} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"
+        with open(os.path.join(rd, "metrics.jsonl")) as f:
+            runs[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    rel = max(abs(a - b) / abs(b) for a, b in zip(runs["cp2"], runs["cp1"]))
+    return rel <= 1e-4 and len(runs["cp2"]) == 4, f"losses cp 2 vs 1 GPU, 4 steps: max relative difference {rel:.1e}"
 
 
 def _speed_run(args, mesh, device, micro: int, chunk: int) -> dict:
@@ -223,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             ok, text = check_flex(device)
         elif name == "chunked":
             ok, text = check_chunked(device)
+        elif name == "cp":
+            ok, text = check_cp()
         else:
             ok, text, extra = check_speed(args, mesh, device)
         ok_all &= ok
