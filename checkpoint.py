@@ -84,6 +84,10 @@ class TrainState:
     """Optimizer steps completed."""
     tokens_seen: int = 0
     """Training tokens consumed (global)."""
+    recent_losses: list[float] = dataclasses.field(default_factory=list)
+    """The spike guard's window of the last train.spike_window step losses (empty when it is off)."""
+    recent_grad_norms: list[float] = dataclasses.field(default_factory=list)
+    """The spike guard's window of the last train.spike_window gradient norms (pre-clip)."""
 
 
 class AppState(Stateful):
@@ -462,8 +466,8 @@ def _differ(a: str, b: str) -> bool:
 class _Loading(Stateful):
     """The AppState view a load fills: only entries the checkpoint holds.
 
-    The RNG entry only when this rank existed in the saving run; the data state entry by
-    entry as saved (its per-source counts are a dict keyed by source name; a checkpoint from
+    The RNG entry only when this rank existed in the saving run; the train state's fields as
+    saved; the data state entry by entry as saved (its per-source counts are a dict keyed by source name; a checkpoint from
     before mixtures holds consumed_samples alone), so fields it lacks keep their defaults.
     """
 
@@ -482,6 +486,8 @@ class _Loading(Stateful):
                     node = node.setdefault(p, {})
                 node[leaf] = 0  # a placeholder of the saved value, which DCP puts in its place
         sd["data"] = data
+        # A checkpoint from before the spike guard has no windows: they keep their (empty) defaults.
+        sd["train"] = {k: v for k, v in sd["train"].items() if f"app.train.{k}" in self.saved_keys}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:

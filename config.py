@@ -13,6 +13,7 @@ The commands that read a finished run (evaluate, generate, export) get its confi
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from typing import Literal
@@ -21,6 +22,7 @@ import torch
 
 import cli
 import datacache
+import mixture
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from context_parallel import check_cp_layout
 from data import DataConfig
@@ -39,11 +41,23 @@ from tokenizer import EOT, load_tokenizer
 
 
 @dataclasses.dataclass
+class BatchStage:
+    """One [[train.batch_stages]] table: from a step on, the global batch is larger (a batch-size ramp)."""
+
+    start_step: int = 0
+    """Optimizer steps done before the stage starts: step start_step + 1 (as metrics.jsonl counts) is its first."""
+    global_batch_size: int = 0
+    """Sequences per optimizer step from then on; larger than the batch before it."""
+
+
+@dataclasses.dataclass
 class TrainConfig:
     steps: int = 1000
     """Optimizer steps to train for (the LR schedule ends here)."""
     global_batch_size: int = 64
-    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps."""
+    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps (until the first [[train.batch_stages]])."""
+    batch_stages: list[BatchStage] = dataclasses.field(default_factory=list)
+    """Batch-size ramp: [[train.batch_stages]] tables (start_step, global_batch_size), in order, each batch larger than the one before. The data cursor counts samples, and the LR schedule runs in samples (see optim.py), so both stay exact across a stage."""
     micro_batch_size: int = 0
     """Sequences per forward pass on one rank (0: global_batch_size / data-parallel size, no accumulation)."""
     seed: int = 0
@@ -68,6 +82,12 @@ class TrainConfig:
     """Profile these 1-based steps on rank 0, e.g. '10-12': a Chrome/Perfetto trace (and on CUDA a memory snapshot) in RUN_DIR/profile/ (empty: off)."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the output projection + cross-entropy, each chunk's gradients computed in its forward (nothing recomputed), so the full (tokens x vocab) logits never exist (0: off). Not applied with parallel.tp > 1, where the logits are already split over the vocabulary (loss_parallel)."""
+    z_loss: float = 0.0
+    """Coefficient of the auxiliary loss z_loss * logsumexp(logits)^2 per token (PaLM, Chowdhery et al. 2022, section 5: 1e-4), which keeps the softmax normaliser near 1 (0: off). The logged loss stays the cross-entropy; the z term is logged as z_loss."""
+    spike_skip: float = 0.0
+    """Spike guard: skip the update of a step whose loss or gradient norm exceeds the mean + spike_skip standard deviations of the last spike_window steps (OLMo-core's SkipStepOptimizer uses 6); skipped steps are recorded in metrics.jsonl with "skipped" (0: off)."""
+    spike_window: int = 128
+    """Spike guard: steps in the running window; the guard acts once the window is full, and the window is saved in checkpoints."""
     collective_timeout_s: float = 300.0
     """Seconds a collective of the training loop waits for a peer rank from step 2 on; then this rank stops with one line naming the step (a hung or lost peer). Start-up and step 1 (compilation) wait up to 30 minutes, data preparation up to 24 hours."""
 
@@ -84,11 +104,37 @@ class TrainConfig:
         if not 0 < self.collective_timeout_s <= 1e7:  # also refuses nan and inf, which no timer takes
             raise ConfigError(f"train.collective_timeout_s must be a number of seconds in (0, 1e7], got "
                               f"{self.collective_timeout_s}; the default is 300")
+        for name in ("z_loss", "spike_skip"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ConfigError(f"train.{name} must be a finite number >= 0 (0: off), got {getattr(self, name)}")
+        if self.spike_window < 2:
+            raise ConfigError(f"train.spike_window must be >= 2 steps (a standard deviation needs two), got "
+                              f"{self.spike_window}")
+        last_step, last_batch = 0, self.global_batch_size
+        for i, stage in enumerate(self.batch_stages):
+            where = f"train.batch_stages[{i}]"
+            if stage.start_step <= last_step:
+                raise ConfigError(f"{where}.start_step ({stage.start_step}) must be > {last_step} (the previous "
+                                  f"stage's); list the stages in order of start_step, the first after step 0 "
+                                  f"(train.global_batch_size is the batch from step 0)")
+            if stage.global_batch_size <= last_batch:
+                raise ConfigError(f"{where}.global_batch_size ({stage.global_batch_size}) must be larger than the "
+                                  f"batch before it ({last_batch}): the stages ramp the batch up")
+            last_step, last_batch = stage.start_step, stage.global_batch_size
         parse_steps(self.profile_steps)
 
-    def micro_batch(self, dp: int) -> int:
-        """Sequences per forward pass with dp data-parallel ranks: micro_batch_size, or the whole per-rank share."""
-        return self.micro_batch_size or self.global_batch_size // max(dp, 1)
+    def batch_schedule(self) -> list[tuple[int, int]]:
+        """[(start_step, global_batch_size)] from step 0: train.global_batch_size, then the batch stages."""
+        return [(0, self.global_batch_size)] + [(s.start_step, s.global_batch_size) for s in self.batch_stages]
+
+    def batch_size_at(self, step: int) -> int:
+        """The global batch of the step after `step` completed optimizer steps."""
+        return mixture.stage_at(self.batch_schedule(), step)
+
+    def micro_batch(self, dp: int, step: int = 0) -> int:
+        """Sequences per forward pass with dp data-parallel ranks at step: micro_batch_size, or the whole per-rank share."""
+        return self.micro_batch_size or self.batch_size_at(step) // max(dp, 1)
+
 
 
 @dataclasses.dataclass
@@ -180,13 +226,15 @@ def validate(cfg: Config, world_size: int) -> None:
     m = cfg.model
     check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
     dp = world_size // (tp * cfg.parallel.cp)
-    g, micro = t.global_batch_size, t.micro_batch(dp)
-    if not t.micro_batch_size and (g <= 0 or g % dp):  # the user set only the global batch
-        raise SetupError(f"train.global_batch_size ({g}) must be a positive multiple of data-parallel size ({dp}), "
-                         f"so that every rank takes an equal share; change it or the number of processes")
-    if g <= 0 or g % (dp * micro):
-        raise SetupError(f"train.global_batch_size ({g}) must be a positive multiple of data-parallel size ({dp}) "
-                         f"x train.micro_batch_size ({micro}) = {dp * micro}; change one of them")
+    for i, (start, g) in enumerate(t.batch_schedule()):
+        name = "train.global_batch_size" if i == 0 else f"train.batch_stages[{i - 1}].global_batch_size"
+        micro = t.micro_batch(dp, start)
+        if not t.micro_batch_size and (g <= 0 or g % dp):  # the user set only the global batch
+            raise SetupError(f"{name} ({g}) must be a positive multiple of data-parallel size ({dp}), "
+                             f"so that every rank takes an equal share; change it or the number of processes")
+        if g <= 0 or g % (dp * micro):
+            raise SetupError(f"{name} ({g}) must be a positive multiple of data-parallel size ({dp}) "
+                             f"x train.micro_batch_size ({micro}) = {dp * micro}; change one of them")
     device = resolve_device(t.device)
     if cfg.parallel.cpu_offload and device.type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")

@@ -41,23 +41,29 @@ class GlobalBatchLoader:
     """
 
     def __init__(self, corpus: PackedCorpus, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, seed: int, state: DataState | None = None):
-        if global_batch_size % (dp_size * micro_batch_size):
-            raise DataError(
-                f"train.global_batch_size ({global_batch_size}) must be divisible by data-parallel size "
-                f"({dp_size}) x train.micro_batch_size ({micro_batch_size})"
-            )
+                 dp_rank: int, dp_size: int, seed: int, state: DataState | None = None,
+                 batch_stages: list[tuple[int, int]] = ()):
+        """batch_stages: [(start_step, global_batch_size)] after step 0 (train.batch_stages), a batch ramp;
+        micro_batch_size 0: each rank's whole share of the step's batch in one micro-batch."""
+        self.schedule = [(0, global_batch_size), *batch_stages]
+        for _, batch in self.schedule:
+            if batch % (dp_size * (micro_batch_size or 1)) or (micro_batch_size == 0 and batch < dp_size):
+                raise DataError(
+                    f"train.global_batch_size ({batch}) must be divisible by data-parallel size "
+                    f"({dp_size}) x train.micro_batch_size ({micro_batch_size})"
+                )
+        largest = max(batch for _, batch in self.schedule)
         for i, src in enumerate(corpus.sources):
-            most = max(mixture.most_per_batch(global_batch_size, w)[i] for _, w in corpus.schedule)
+            most = max(mixture.most_per_batch(largest, w)[i] for _, w in corpus.schedule)
             if src.n_train < most:
                 what = "data.dataset" if src.name == DEFAULT_SOURCE else f"data.sources[{src.name}]"
                 raise DataError(
                     f"{what}: only {src.n_train} training sequences of {corpus.seq_len} tokens, fewer than the "
-                    f"{most} it gives one global batch of train.global_batch_size ({global_batch_size}); use more "
+                    f"{most} it gives one global batch of {largest} sequences (train.global_batch_size, or its largest "
+                    f"batch stage); use more "
                     f"text, a shorter data.seq_len, a smaller batch or a smaller weight"
                 )
         self.corpus = corpus
-        self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed = seed
@@ -69,7 +75,12 @@ class GlobalBatchLoader:
         st = self.state
         if st.consumed_samples and not st.steps and not st.source_samples:
             st.source_samples = {DEFAULT_SOURCE: st.consumed_samples}
-            st.steps = st.consumed_samples // self.global_batch_size
+            st.steps = st.consumed_samples // self.schedule[0][1]  # those runs had no batch stages
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences in the next global batch (the batch stage of the next step)."""
+        return mixture.stage_at(self.schedule, self.state.steps)
 
     def _index(self, source: int, g: int) -> int:
         src = self.corpus.sources[source]
@@ -81,7 +92,7 @@ class GlobalBatchLoader:
 
     def counts(self) -> list[int]:
         """Samples of each source in the next global batch (corpus.sources order)."""
-        weights = mixture.weights_at(self.corpus.schedule, self.state.steps)
+        weights = mixture.stage_at(self.corpus.schedule, self.state.steps)
         return mixture.batch_counts(self.global_batch_size, weights, self.state.steps)
 
     def global_indices(self) -> list[tuple[int, int]]:
@@ -106,13 +117,13 @@ class GlobalBatchLoader:
         Advances the global cursor: consumed_samples by global_batch_size, steps by one, each
         source's count by its share of the batch.
         """
-        idx = self.rank_indices()
+        idx, batch = self.rank_indices(), self.global_batch_size
         st = self.state
         for name, count in zip(self.corpus.names, self.counts()):
             st.source_samples[name] = st.source_samples.get(name, 0) + count
-        st.consumed_samples += self.global_batch_size
+        st.consumed_samples += batch
         st.steps += 1
-        return self.corpus.batches(idx, self.micro_batch_size)
+        return self.corpus.batches(idx, self.micro_batch_size or len(idx))
 
     @property
     def epoch(self) -> int:

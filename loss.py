@@ -14,12 +14,20 @@ With tensor parallelism the output projection leaves the logits sharded on the v
 (a DTensor, Shard(-1)); ``loss_parallel`` then computes the cross-entropy without gathering
 (batch, seq, vocab) on any rank, each rank holding vocab / tp of them. ``loss_context`` picks
 it from the mesh, and chunking is not applied there (the rule: TP's vocabulary split wins).
+
+The z-loss (train.z_loss; PaLM, Chowdhery et al. 2022, section 5) adds z_loss * logsumexp(logits)^2
+per token, which pulls the softmax normaliser towards 1. It is computed in all three forms: on full
+logits, chunk by chunk (its gradient joins the cross-entropy's, 2 z lse softmax per chunk), and
+vocabulary-parallel (the logsumexp of the whole vocabulary from each rank's shard: one max and one
+sum all-reduce over the tp group, never a gathered logits tensor).
 """
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -44,12 +52,14 @@ def loss_context(mesh: DeviceMesh | None):
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(hidden_i @ weight.T, labels_i), with both gradients computed chunk by chunk in forward.
 
-    Applied only when autograd will ask for a gradient (see chunked_cross_entropy_sum).
+    Applied only when autograd will ask for a gradient (see chunked_cross_entropy_sum). With
+    z_loss > 0 it returns (CE sum + z_loss * sum lse^2, sum lse^2), the second without a gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size):
+    def forward(ctx, hidden, weight, labels, chunk_size, z_loss=0.0):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, hidden.shape[0], chunk_size):
@@ -57,23 +67,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (h @ weight.t()).float()  # as output(h).float(): matmul in the compute dtype
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
-            # d(sum of CE)/d(logits) = softmax - one_hot(labels), computed in place of the logits.
+            # d(sum of CE)/d(logits) = softmax - one_hot(labels), computed in place of the logits;
+            # d(z lse^2)/d(logits) = 2 z lse softmax.
             g = logits.sub_(lse[:, None]).exp_()
+            if z_loss:
+                z_sum += lse.square().sum()
+                g.mul_(1 + 2 * z_loss * lse[:, None])
             g[torch.arange(len(y), device=y.device), y] -= 1
             g = g.to(weight.dtype)
             grad_hidden[start:start + chunk_size] = g @ weight
             grad_weight += g.t() @ h  # the matmul in the compute dtype, the sum over chunks in fp32
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total
+        ctx.mark_non_differentiable(z_sum)
+        return total + z_loss * z_sum, z_sum
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_total, _grad_z_sum):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight * grad_total.to(grad_weight.dtype), None, None
+        return (grad_hidden * grad_total.to(grad_hidden.dtype), grad_weight * grad_total.to(grad_weight.dtype),
+                None, None, None)
 
 
 def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                              chunk_size: int) -> torch.Tensor:
+                              chunk_size: int, z_loss: float = 0.0) -> torch.Tensor:
     """Sum over tokens of cross_entropy((hidden @ weight.T).float(), labels), chunk_size tokens at a time.
 
     hidden: (n_tokens, dim) and weight (vocab, dim) in the compute dtype; labels: (n_tokens,)
@@ -83,14 +99,17 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
     size) and of weight (fp32, its size). Otherwise (torch.no_grad, inference_mode) only the
     forward runs: one (chunk_size, vocab) matmul per chunk and one chunk's logits in memory.
     Same value and gradients as the unchunked loss up to fp32 summation order. Returns a
-    0-dim fp32 tensor.
+    0-dim fp32 tensor; with z_loss > 0 a LossSums (the sum plus z_loss * sum of lse^2, and that
+    sum of lse^2).
     """
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size)
+        total, z_sum = _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk_size, z_loss)
+        return LossSums(total, z_sum) if z_loss else total
     # Forward only (under no_grad the Function's needs_input_grad would still ask for both gradients).
     # One logits buffer for every chunk: on CPU a fresh (chunk, vocab) tensor per chunk is mapped and
     # page-faulted anew each time (measured 1.14x the full-logits time at vocab 32k; reused: 1.0x).
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    z_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     buf = hidden.new_empty((min(chunk_size, hidden.shape[0]), weight.shape[0]))
     buf32 = buf if buf.dtype == torch.float32 else torch.empty(buf.shape, dtype=torch.float32, device=buf.device)
     for start in range(0, hidden.shape[0], chunk_size):
@@ -99,7 +118,74 @@ def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels
         if buf32 is not buf:
             logits = buf32[:len(h)].copy_(logits)
         total += F.cross_entropy(logits, labels[start:start + chunk_size], reduction="sum")
-    return total
+        if z_loss:
+            z_sum += torch.logsumexp(logits, dim=-1).square().sum()
+    return LossSums(total + z_loss * z_sum, z_sum) if z_loss else total
+
+
+class LossSums(NamedTuple):
+    """The training objective of a batch, summed over its tokens, and the z-loss term's sum."""
+
+    objective: torch.Tensor
+    """Sum of cross-entropy + z_loss * logsumexp^2 over the tokens, 0-dim fp32, with autograd."""
+    z_sum: torch.Tensor
+    """Sum of logsumexp(logits)^2 over the tokens, 0-dim fp32, detached (0 when z_loss is 0)."""
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce(SUM) over a process group in forward, the identity in backward.
+
+    Every rank goes on to compute the same replicated loss from the sum, so the gradient of a
+    rank's own addend is the gradient of the sum (Megatron-LM's "g" operator).
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last (vocabulary) dim of fp32 logits (..., vocab) -> (...), with autograd.
+
+    A DTensor sharded on the vocabulary (Shard(-1), tensor parallelism) is reduced without being
+    gathered: a max all-reduce (the shift, no gradient) and a sum all-reduce of the shards'
+    exp-sums over its mesh; the result is a plain tensor, the same on every rank.
+    """
+    if not isinstance(logits, DTensor):
+        return torch.logsumexp(logits, dim=-1)
+    local, group = logits.to_local(), logits.device_mesh.get_group()
+    shift = local.detach().amax(dim=-1, keepdim=True)
+    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+    return shift.squeeze(-1) + _SumOverGroup.apply((local - shift).exp().sum(dim=-1), group).log()
+
+
+def token_loss_sums(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, chunk_size: int = 0,
+                    z_loss: float = 0.0, layout=None) -> LossSums:
+    """The training objective: token_loss_sum plus z_loss * sum over tokens of logsumexp(logits)^2.
+
+    Shapes, chunk_size, layout and the context to call it in as token_loss_sum. The z term is
+    taken on the full logits, chunk by chunk, or vocabulary-parallel (logsumexp), as the
+    cross-entropy is. Returns LossSums of plain 0-dim fp32 tensors (objective with autograd).
+    """
+    if not z_loss:
+        return LossSums(scalar(token_loss_sum(model, inputs, labels, chunk_size, layout)),
+                        torch.zeros((), device=inputs.device))
+    kw = {} if layout is None else {"layout": layout}
+    if chunk_size > 0:
+        def head(output, hidden):
+            return chunked_cross_entropy_sum(hidden.flatten(0, 1), output.weight, labels.flatten(), chunk_size, z_loss)
+
+        return LossSums(*model(inputs, head=head, **kw))
+    logits = model(inputs, **kw)
+    ce = scalar(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+    z_sum = logsumexp(logits).square().sum()
+    return LossSums(ce + z_loss * z_sum, z_sum.detach())
 
 
 def token_loss_sum(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from fractions import Fraction
+from typing import TypeVar
 
 import torch
 
@@ -70,12 +71,19 @@ def most_per_batch(total: int, weights: list[float]) -> list[int]:
     return [-(-total * Fraction(w) // norm) for w in weights]
 
 
-def weights_at(schedule: list[tuple[int, list[float]]], step: int) -> list[float]:
-    """The weights of the last stage in schedule [(start_step, weights)] (sorted, the first at 0) with start_step <= step."""
+T = TypeVar("T")
+
+
+def stage_at(schedule: list[tuple[int, T]], step: int) -> T:
+    """The value of the last stage in schedule [(start_step, value)] (sorted, the first at 0) with start_step <= step.
+
+    The rule of [[data.stages]] (value: the weights) and [[train.batch_stages]] (value: the global
+    batch): start_step counts the optimizer steps done before the stage.
+    """
     current = schedule[0][1]
-    for start, weights in schedule:
+    for start, value in schedule:
         if start <= step:
-            current = weights
+            current = value
     return current
 
 

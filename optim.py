@@ -1,9 +1,13 @@
 """The optimizer by name (AdamW, or Muon for the blocks' matrices with AdamW for the rest) and the LR schedules.
 
-Schedules (optim.schedule), in optimizer steps: linear warmup, then cosine decay, linear decay,
-or WSD (warmup, stable at the peak, decay over the last decay_fraction of the run). Each is a
-pure function of (step, train.steps), so a run loaded from another run's checkpoint with its own
-train.steps follows its own schedule from the loaded step.
+Schedules (optim.schedule): linear warmup over optim.warmup_steps steps, then cosine decay, linear
+decay, or WSD (stable at the peak, then decay over the last decay_fraction of the run). After the
+warmup the schedule runs in samples (tokens: every sample has seq_len), counted in steps of the
+first batch: with [[train.batch_stages]] a step of a batch twice as large advances the schedule
+by two, and decay_fraction is a fraction of the run's tokens (Megatron-LM likewise schedules
+in samples when the batch ramps up). Without batch stages this is plain optimizer steps. Each
+factor is a pure function of (step, train.steps, the batch stages), so a run loaded from another
+run's checkpoint with its own train.steps follows its own schedule from the loaded step.
 """
 from __future__ import annotations
 
@@ -25,9 +29,9 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate of AdamW and of Muon (whose LR is scaled by 0.2 * sqrt(max(m, n)) per matrix to match AdamW's update RMS)."""
     schedule: Literal["cosine", "wsd", "linear"] = "cosine"
-    """LR schedule after the linear warmup, in optimizer steps: 'cosine' to min_lr_ratio, 'linear' to min_lr_ratio, or 'wsd' (stable at lr, then decay over the last decay_fraction of train.steps)."""
+    """LR schedule after the linear warmup: 'cosine' to min_lr_ratio, 'linear' to min_lr_ratio, or 'wsd' (stable at lr, then decay over the last decay_fraction of the run). It runs in samples (tokens), which are optimizer steps unless [[train.batch_stages]] grow the batch."""
     decay_fraction: float = 0.2
-    """WSD: fraction of train.steps, in (0, 1], over which the LR decays to min_lr_ratio at the end of the run."""
+    """WSD: fraction of the run (of train.steps, or of its tokens with batch stages), in (0, 1], over which the LR decays to min_lr_ratio at the end of the run."""
     decay_shape: Literal["linear", "1-sqrt"] = "linear"
     """WSD: shape of the decay: 'linear' or '1-sqrt' (1 - sqrt(progress), Hagele et al. 2024)."""
     muon_momentum: float = 0.95
@@ -94,6 +98,31 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float, 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def schedule_position(step: int, batch_schedule: list[tuple[int, int]]) -> float:
+    """Samples in the first `step` optimizer steps, divided by the first global batch: `step` itself without stages.
+
+    batch_schedule: [(start_step, global_batch_size)], sorted, the first at 0 (TrainConfig.batch_schedule).
+    """
+    samples = 0
+    for i, (start, batch) in enumerate(batch_schedule):
+        end = batch_schedule[i + 1][0] if i + 1 < len(batch_schedule) else step
+        samples += batch * max(0, min(step, end) - start)
+    return samples / batch_schedule[0][1]
+
+
+def scheduled_factor(step: int, warmup_steps: int, total_steps: int, batch_schedule: list[tuple[int, int]],
+                     **shape) -> float:
+    """lr_factor for the step after `step` completed steps: warmup in steps, the rest in samples (schedule_position).
+
+    shape: lr_factor's min_ratio, schedule, decay_fraction, decay_shape. The stages only grow the
+    batch (config checks), so the position is >= step and never falls back into the warmup.
+    """
+    if step < warmup_steps:
+        return lr_factor(step, warmup_steps, total_steps, **shape)
+    return lr_factor(schedule_position(step, batch_schedule), warmup_steps,
+                     schedule_position(total_steps, batch_schedule), **shape)
+
+
 def reapply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     """Set every group's LR from the schedule at scheduler.last_epoch (after loading a checkpoint).
 
@@ -105,8 +134,12 @@ def reapply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, fused: bool = True):
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, fused: bool = True,
+                    batch_schedule: list[tuple[int, int]] = ((0, 1),)):
     """(optimizer, LambdaLR over all its param groups) for model, by cfg.name, scheduled to total_steps.
+
+    batch_schedule: TrainConfig.batch_schedule(), which turns the steps after the warmup into
+    samples (scheduled_factor); the default, one constant batch, keeps them steps.
 
     adamw: torch.optim.AdamW, decay on matrices (ndim >= 2) only. muon: muon.MuonAdamW with the
     blocks' hidden matrices in a Muon group (decay cfg.weight_decay, momentum cfg.muon_momentum)
@@ -127,7 +160,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, 
     else:
         optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                       fused=fused or None)
-    schedule = functools.partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
-                                 min_ratio=cfg.min_lr_ratio, schedule=cfg.schedule, decay_fraction=cfg.decay_fraction,
+    schedule = functools.partial(scheduled_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
+                                 batch_schedule=list(batch_schedule), min_ratio=cfg.min_lr_ratio, schedule=cfg.schedule, decay_fraction=cfg.decay_fraction,
                                  decay_shape=cfg.decay_shape)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -58,7 +58,7 @@ def realised_mixture(cfg, data_dir: str, batches: int) -> dict:
     loader = GlobalBatchLoader(corpus, b, b, 0, 1, cfg.train.seed)
     totals, wanted, worst = [0] * len(corpus.names), [0.0] * len(corpus.names), 0.0
     for _ in range(batches):
-        weights = mixture.weights_at(corpus.schedule, loader.state.steps)
+        weights = mixture.stage_at(corpus.schedule, loader.state.steps)
         want = [b * w / sum(weights) for w in weights]
         got = [0] * len(corpus.names)
         for s, _ in loader.rank_indices():

@@ -68,7 +68,7 @@ def _step_loss(cfg_model: ModelArgs, dtype: str, mesh, device, tokens, chunk: in
     """Mean token loss of one forward/backward (no update) of a fresh model from seed 0."""
     model = parallelize.build_model(cfg_model, mesh, device, 0, parallelize.ParallelConfig(), dtype=dtype)
     n = tokens[:, 1:].numel()
-    loss = trainer.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], n, 1, device, mesh, chunk)
+    loss, _ = trainer.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], n, 1, device, mesh, chunk)
     return loss.item() / n
 
 

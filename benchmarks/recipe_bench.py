@@ -8,13 +8,13 @@ parameters outside the embedding and output), the same data order for every reci
 same train.seed). Each recipe's LR is swept over LRS at seed 0; the best LR (lowest final
 val_loss) is run again at seed 1. Reported: the final val_loss at the fixed budget (mean of
 the 2 seeds), and the tokens each recipe's runs need to first reach the tuned baseline's final
-val_loss (validated every VAL_EVERY steps), as a ratio of the baseline's budget. A recipe whose
-option the trainer lacks (train.batch_stages before it exists) is skipped with a note.
+val_loss (validated every VAL_EVERY steps), as a ratio of the baseline's budget. The ramp
+recipe trains at half the batch for the first quarter of the steps, and steps // 8 more steps
+after, so that its budget in tokens is the others' (the LR schedule runs in samples).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -25,18 +25,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from config import TrainConfig  # noqa: E402
 from model import PRESETS, ModelArgs, num_params  # noqa: E402
 
 SHAPE = {"dim": 192, "n_layers": 6, "n_heads": 6, "n_kv_heads": 2, "ffn_dim": 512}
 """The benchmark's model: [model] fields over configs/debug.toml's debug preset."""
-LRS = ["1e-3", "3e-3", "1e-2"]
+ADAMW_LRS = ["3e-4", "1e-3", "3e-3", "1e-2"]
+MUON_LRS = ["1e-3", "3e-3", "1e-2"]
 VAL_EVERY = 8
-RECIPES = {  # name: (overrides, the TrainConfig field it needs or "")
-    "adamw+cosine": (["--optim.name", "adamw", "--optim.schedule", "cosine"], ""),
-    "adamw+wsd": (["--optim.name", "adamw", "--optim.schedule", "wsd"], ""),
-    "muon+wsd": (["--optim.name", "muon", "--optim.schedule", "wsd"], ""),
-    "muon+wsd+ramp": (["--optim.name", "muon", "--optim.schedule", "wsd", "--config", "RAMP"], "batch_stages"),
+RECIPES = {  # name: (overrides, LRs swept)
+    "adamw+cosine": (["--optim.name", "adamw", "--optim.schedule", "cosine"], ADAMW_LRS),
+    "adamw+wsd": (["--optim.name", "adamw", "--optim.schedule", "wsd"], ADAMW_LRS),
+    "muon+wsd": (["--optim.name", "muon", "--optim.schedule", "wsd"], MUON_LRS),
+    "muon+wsd+ramp": (["--optim.name", "muon", "--optim.schedule", "wsd", "--config", "RAMP"], MUON_LRS),
 }
 
 
@@ -51,7 +51,8 @@ def shape_flags() -> list[str]:
     return [x for k, v in SHAPE.items() for x in (f"--model.{k}", str(v))]
 
 
-def run(workdir: str, name: str, overrides: list[str], steps: int, seed: int, data: str | None, log) -> list[dict]:
+def run(workdir: str, name: str, overrides: list[str], steps: int, warmup: int, seed: int, data: str | None,
+        log) -> list[dict]:
     run_dir = os.path.join(workdir, name)
     shutil.rmtree(run_dir, ignore_errors=True)
     if data:  # the corpus tokenized once, for every run
@@ -59,7 +60,7 @@ def run(workdir: str, name: str, overrides: list[str], steps: int, seed: int, da
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            os.path.join(ROOT, "train_fsdp.py"), "--config", os.path.join(ROOT, "configs", "debug.toml"),
            "--run_dir", run_dir, *shape_flags(), "--train.steps", str(steps), "--train.seed", str(seed),
-           "--optim.warmup_steps", str(max(1, steps // 10)), "--train.val_interval", str(VAL_EVERY),
+           "--optim.warmup_steps", str(warmup), "--train.val_interval", str(VAL_EVERY),
            "--checkpoint.interval", "100000", "--train.log_interval", "10", *overrides]
     t = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
@@ -91,21 +92,20 @@ def main() -> None:
     with open(ramp, "w") as f:  # 8 sequences a step for the first quarter, then the debug batch of 16
         f.write(base.replace("global_batch_size = 16", "global_batch_size = 8") +
                 f"\n[[train.batch_stages]]\nstart_step = {args.steps // 4}\nglobal_batch_size = 16\n")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     log = open(os.path.join(args.workdir, "runs.log"), "w")
-    data, results, notes = None, {}, []
-    for recipe, (overrides, needs) in RECIPES.items():
-        if needs and needs not in fields:
-            notes.append(f"{recipe}: skipped, train.{needs} does not exist on this branch yet")
-            continue
+    data, results = None, {}
+    for recipe, (overrides, lrs) in RECIPES.items():
+        steps = args.steps + args.steps // 8 if "RAMP" in overrides else args.steps
+        warmup = max(1, args.steps // 10)
         overrides = [ramp if o == "RAMP" else o for o in overrides]
         sweep = {}
-        for lr in LRS:
-            sweep[lr] = run(args.workdir, f"{recipe}_lr{lr}_s0", [*overrides, "--optim.lr", lr], args.steps, 0,
+        for lr in lrs:
+            sweep[lr] = run(args.workdir, f"{recipe}_lr{lr}_s0", [*overrides, "--optim.lr", lr], steps, warmup, 0,
                             data, log)
             data = data or os.path.join(args.workdir, f"{recipe}_lr{lr}_s0", "data")
         best = min(sweep, key=lambda lr: curve(sweep[lr])[-1][2])
-        seed1 = run(args.workdir, f"{recipe}_lr{best}_s1", [*overrides, "--optim.lr", best], args.steps, 1, data, log)
+        seed1 = run(args.workdir, f"{recipe}_lr{best}_s1", [*overrides, "--optim.lr", best], steps, warmup, 1,
+                    data, log)
         results[recipe] = {"sweep": {lr: curve(r)[-1][2] for lr, r in sweep.items()}, "best": best,
                            "curves": [curve(sweep[best]), curve(seed1)]}
     base_curves = results["adamw+cosine"]["curves"]
@@ -123,7 +123,6 @@ def main() -> None:
         lines.append(f"| {recipe} | " + ", ".join(f"{lr}: {v:.4f}" for lr, v in r["sweep"].items()) +
                      f" | {r['best']} | {finals[0]:.4f}, {finals[1]:.4f} (mean {sum(finals) / 2:.4f}) | "
                      + ", ".join(f"{x:,}" if x is not None else "-" for x in reach) + f" | {ratio} |")
-    lines += [""] + [f"- {n}" for n in notes]
     with open(args.out, "a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -66,6 +66,7 @@ def rel(a: float, b: float) -> float:
 CHUNKED = ("--train.loss_chunk_size", "100")  # 16 x 128 tokens a step: 21 chunks, the last one short
 DOCMASK = ("--model.document_mask", "true")
 HSDP = ("--parallel.dp_replicate", "2")
+Z_LOSS = ("--train.z_loss", "0.01")  # 100x PaLM's, so that the term moves the gradients measurably
 
 
 @pytest.mark.parametrize("nproc, tp, overrides, reference", [
@@ -84,8 +85,10 @@ HSDP = ("--parallel.dp_replicate", "2")
     (4, 1, (), ()),
     (4, 1, HSDP, ()),
     (4, 2, HSDP, ()),
+    # The z-loss vocabulary-parallel (its logsumexp from the shards) against full logits in one process.
+    (2, 2, Z_LOSS, Z_LOSS),
 ], ids=["fsdp2", "dp1xtp2_accumulating", "dp2xtp2", "chunked_ws1_accumulating", "chunked_fsdp2_accumulating",
-        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2"])
+        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2", "zloss_dp1xtp2"])
 @pytest.mark.slow
 def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, overrides, reference):
     ref, got = worker(1, 1, *reference), worker(nproc, tp, *overrides)

@@ -71,6 +71,9 @@ PRE_GROUP = [
     (["--train.seed", "-1"], "train.seed must be in 0..2**32-1, got -1"),
     (["--model.rope_theta", "inf"], "model.rope_theta must be a finite number > 0, got inf"),
     (["--train.collective_timeout_s", "inf"], "train.collective_timeout_s must be a number of seconds in (0, 1e7]"),
+    (["--train.z_loss", "-1e-4"], "train.z_loss must be a finite number >= 0 (0: off), got -0.0001"),
+    (["--train.spike_skip", "nan"], "train.spike_skip must be a finite number >= 0 (0: off), got nan"),
+    (["--train.spike_window", "1"], "train.spike_window must be >= 2 steps"),
 ]
 
 
@@ -112,6 +115,35 @@ def test_bad_context_parallel_layout_fails_before_any_collective(tmp_path, monke
     rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(rd), *argv, world_size=world_size)
     assert rc == 2 and err.startswith("error: ") and msg in err and err.count("\n") == 1, err
     assert not rd.exists()  # checked before config.validate creates the run directory
+
+
+BATCH_STAGES = [
+    ("[[train.batch_stages]]\nstart_step = 10\nglobal_batch_size = 32\n"
+     "[[train.batch_stages]]\nstart_step = 5\nglobal_batch_size = 64\n",
+     "train.batch_stages[1].start_step (5) must be > 10 (the previous stage's)"),
+    ("[[train.batch_stages]]\nstart_step = 10\nglobal_batch_size = 8\n",
+     "train.batch_stages[0].global_batch_size (8) must be larger than the batch before it (16)"),
+    ("[[train.batch_stages]]\nstart_step = 10\nglobal_batch_size = 33\n",
+     "train.batch_stages[0].global_batch_size (33) must be a positive multiple of data-parallel size (2)"),
+    ("[[train.batch_stages]]\nstart_step = 10\nglobal_batch_size = 20\n",
+     "train.batch_stages[0].global_batch_size (20) must be a positive multiple of data-parallel size (2) x "
+     "train.micro_batch_size (8) = 16"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tables, msg", BATCH_STAGES, ids=["start_not_increasing", "batch_not_growing",
+                                                           "batch_not_divisible", "not_whole_micro_batches"])
+def test_bad_batch_stages_fail_before_any_collective(existing_run, tmp_path, monkeypatch, capsys, tables, msg):
+    config = tmp_path / "stages.toml"
+    config.write_text(open(DEBUG).read() + "\n" + tables)
+    before = _snapshot(existing_run)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    extra = ["--train.micro_batch_size", "8"] if "micro" in msg else []
+    rc = train_fsdp.main(["--config", str(config), "--run_dir", str(existing_run), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and msg in err and err.count("\n") == 1, err
+    assert _snapshot(existing_run) == before
 
 
 @pytest.mark.slow
