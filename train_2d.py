@@ -3,7 +3,9 @@
     torchrun --standalone --nproc_per_node=N train_2d.py --config configs/debug.toml --run_dir DIR --parallel.tp T
 
 The mesh is ("dp", "tp") of shape (N / T, T), or with --parallel.dp_replicate R (HSDP)
-("dp_replicate", "dp_shard", "tp") of (R, N / (R T), T); consecutive ranks form a TP group,
+("dp_replicate", "dp_shard", "tp") of (R, N / (R T), T), with a "cp" dimension before "tp" under
+--parallel.cp C (each CP rank's slice of the sequence is then split over its TP group, and
+Ulysses splits the TP rank's heads over "cp"); consecutive ranks form a TP group,
 so with torchrun's node-by-node rank order a TP group stays inside one node (checked against
 LOCAL_WORLD_SIZE). Each block is split by the plan below (Megatron-style column/row-parallel
 linears, sequence-parallel norms and residual stream), then parallelize.py shards the result
