@@ -61,7 +61,7 @@ def run(workdir: str, name: str, overrides: list[str], steps: int, warmup: int, 
            os.path.join(ROOT, "train_fsdp.py"), "--config", os.path.join(ROOT, "configs", "debug.toml"),
            "--run_dir", run_dir, *shape_flags(), "--train.steps", str(steps), "--train.seed", str(seed),
            "--optim.warmup_steps", str(warmup), "--train.val_interval", str(VAL_EVERY),
-           "--checkpoint.interval", "100000", "--train.log_interval", "10", *overrides]
+           "--checkpoint.interval", "100000", "--train.log_interval", str(VAL_EVERY), *overrides]
     t = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -72,11 +72,10 @@ def run(workdir: str, name: str, overrides: list[str], steps: int, warmup: int, 
 
 
 def curve(records: list[dict]) -> list[tuple[int, int, float]]:
-    """[(step, tokens_seen, val_loss)] of a run."""
+    """[(step, tokens_seen, val_loss)] of a run: the train record of every validated step holds its tokens
+    (log_interval = VAL_EVERY), exact under a batch ramp too."""
     tokens = {r["step"]: r["tokens_seen"] for r in records if "tokens_seen" in r}
-    per_step = max(tokens.values()) / max(tokens)
-    return [(r["step"], tokens.get(r["step"], int(r["step"] * per_step)), r["val_loss"])
-            for r in records if "val_loss" in r]
+    return [(r["step"], tokens[r["step"]], r["val_loss"]) for r in records if "val_loss" in r]
 
 
 def main() -> None:
