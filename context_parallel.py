@@ -48,17 +48,16 @@ def check_cp_layout(cp: int, tp: int, seq_len: int, n_heads: int, n_kv_heads: in
     if cp == 1:
         return
     split = cp * tp
-    what = f"parallel.cp ({cp})" + (f" x parallel.tp ({tp})" if tp > 1 else "")
+    what = f"parallel.cp ({cp})" if tp == 1 else f"parallel.cp ({cp}) x parallel.tp ({tp}) = {split}"
     if seq_len % split:
-        raise SetupError(f"data.seq_len ({seq_len}) is not divisible by {what}{'' if tp == 1 else f' = {split}'}: "
-                         f"every sequence is split "
-                         f"into equal slices; use a data.seq_len that is a multiple of {split} or change parallel.cp")
+        raise SetupError(f"data.seq_len ({seq_len}) is not divisible by {what}: every sequence is split into equal "
+                         f"slices; use a data.seq_len that is a multiple of {split} or change parallel.cp")
     for name, n in (("model.n_heads", n_heads), ("model.n_kv_heads", n_kv_heads)):
         if n % split:
             valid = [d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0 and n_heads % d == 0 and d % tp == 0]
             knob = "parallel.cp" if tp == 1 else "parallel.cp x parallel.tp"
-            raise SetupError(f"{name} ({n}) is not divisible by {what}{'' if tp == 1 else f' = {split}'}: Ulysses "
-                             f"attention gives every CP rank whole heads; use {knob} in {valid} or change {name}")
+            raise SetupError(f"{name} ({n}) is not divisible by {what}: Ulysses attention gives every CP rank whole "
+                             f"heads; use {knob} in {valid} or change {name}")
     if eval_tasks:
         raise SetupError(f"[[eval.tasks]] are scored in the loop only at parallel.cp 1 (got {cp}); drop [eval] "
                          f"and score the checkpoints with evaluate.py --tasks")
