@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+import float8
 import storage
 from errors import ConfigError, UserError, one_line
 from optim import reapply_schedule
@@ -111,7 +112,7 @@ class AppState(Stateful):
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         return {
-            "model": model_sd,
+            "model": float8.plain_state_dict(model_sd),  # the same plain tensors with train.float8 on or off
             "optim": optim_sd,
             "scheduler": self.scheduler.state_dict(),
             "train": dataclasses.asdict(self.train_state),

@@ -22,6 +22,7 @@ import torch
 
 import cli
 import datacache
+import float8
 import mixture
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from context_parallel import check_cp_layout
@@ -88,6 +89,8 @@ class TrainConfig:
     """Spike guard: skip the update of a step whose loss or gradient norm exceeds the mean + spike_skip standard deviations of the last spike_window steps (OLMo-core's SkipStepOptimizer uses 6); skipped steps are recorded in metrics.jsonl with "skipped" (0: off)."""
     spike_window: int = 128
     """Spike guard: steps in the running window; the guard acts once the window is full, and the window is saved in checkpoints."""
+    float8: Literal["off", "tensorwise", "rowwise"] = "off"
+    """Float8 matmuls in the blocks' Linear layers through torchao (pip install -e ".[float8]"; CUDA compute capability 8.9+: H100, H200 or newer): 'tensorwise' (float8 FSDP all-gather), 'rowwise' (closer to bf16, slower), or 'off'. The output projection stays in high precision; checkpoints are the same as without. train_fsdp.py only."""
     collective_timeout_s: float = 300.0
     """Seconds a collective of the training loop waits for a peer rank from step 2 on; then this rank stops with one line naming the step (a hung or lost peer). Start-up and step 1 (compilation) wait up to 30 minutes, data preparation up to 24 hours."""
 
@@ -219,7 +222,8 @@ def validate(cfg: Config, world_size: int) -> None:
     columns or has a gold index out of range; a StorageError for a checkpoint or data URL that
     cannot be used (unknown scheme, no credentials, no such bucket, no endpoint), a
     data.prepared whose meta.json does not match the data settings; a MissingPackageError for
-    metrics.tensorboard or metrics.wandb without its package, or an s3:// URL without s3fs.
+    metrics.tensorboard or metrics.wandb without its package, or an s3:// URL without s3fs;
+    and train.float8's checks (float8.check: torchao, parallel.tp 1, a float8-capable GPU).
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
@@ -238,6 +242,7 @@ def validate(cfg: Config, world_size: int) -> None:
     device = resolve_device(t.device)
     if cfg.parallel.cpu_offload and device.type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")
+    float8.check(t.float8, device, tp)
     if device.type == "cuda" and local_world_size() > torch.cuda.device_count():
         raise SetupError(f"{local_world_size()} processes on this node (LOCAL_WORLD_SIZE) but {torch.cuda.device_count()} "
                          f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")

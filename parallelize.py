@@ -1,9 +1,9 @@
 """Parallelism, applied from outside in one place: the mesh, then TP, AC, compile, FSDP2, init.
 
 Order (each step needs the one before):
-build on the meta device -> tensor-parallel plan (2D only) -> Ulysses attention (parallel.cp > 1,
-context_parallel.py) -> activation checkpointing ->
-compile -> ``fully_shard`` each block, then the root -> ``to_empty`` -> ``init_weights``.
+build on the meta device -> tensor-parallel plan (2D only) -> float8 Linear layers (train.float8) ->
+Ulysses attention (parallel.cp > 1, context_parallel.py) -> activation checkpointing -> compile ->
+``fully_shard`` each block, then the root -> ``to_empty`` -> ``init_weights``.
 TP first because FSDP2 shards the DTensors TP made; checkpointing and compile wrap the
 blocks FSDP2 then shards as units; weights are initialised only once they exist on the
 device, from the seed and the full shapes, so they do not depend on the layout. Module names
@@ -16,6 +16,7 @@ import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import float8
 from context_parallel import apply_ulysses
 from errors import ConfigError, SetupError
 from model import ModelArgs, Transformer
@@ -174,23 +176,38 @@ def selective_policy(ctx, op, *args, **kwargs):
     keep = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten._scaled_dot_product_flash_attention.default,
             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_mm.default)  # float8 matmuls (train.float8)
     return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dtype: str = "float32",
-                activation_checkpointing: str = "none", compile: bool = False, tp_plan: TPPlan | None = None) -> None:
-    """Apply the TP plan (when mesh has "tp"), activation checkpointing, compile and FSDP2 to a meta-device model.
+                activation_checkpointing: str = "none", compile: bool = False, tp_plan: TPPlan | None = None,
+                float8_recipe: str = "off") -> None:
+    """Apply the TP plan (when mesh has "tp"), float8, activation checkpointing, compile and FSDP2 to a meta-device model.
 
     dtype: 'bfloat16' (mixed precision: bf16 compute, fp32 master weights and gradient
     reductions) or 'float32'. activation_checkpointing: 'none', 'full' or 'selective' (keep
-    matmul outputs). FSDP2 shards over the mesh's "dp" dimension, or with HSDP over "dp_shard"
-    and replicates over "dp_replicate", with the "cp" ranks joined to the shard dimension
-    (see fsdp_mesh); a "cp" dimension swaps each attention kernel for Ulysses'.
+    matmul outputs). float8_recipe: train.float8, 'off', 'tensorwise' or 'rowwise' (see
+    float8.py; needs torchao, and tp 1: config.validate refuses the rest). FSDP2 shards over
+    the mesh's "dp" dimension, or with HSDP over "dp_shard" and replicates over "dp_replicate",
+    with the "cp" ranks joined to the shard dimension (see fsdp_mesh); a "cp" dimension swaps
+    each attention kernel for Ulysses'.
     """
     if "tp" in (mesh.mesh_dim_names or ()):
         # src_data_rank=None: nothing is copied; init_weights fills the shards afterwards.
         parallelize_module(model, mesh["tp"], tp_plan, src_data_rank=None)
+    if float8_recipe != "off":
+        # Float8 swaps the blocks' Linear modules, so it comes before everything that wraps or
+        # traces them: activation checkpointing must recompute the float8 casts (and the
+        # selective policy keep _scaled_mm's outputs), compile must see them to fuse each cast
+        # into its neighbours (most of float8's speed), and fully_shard must find torchao's
+        # weight subclass to all-gather float8 bytes (tensorwise). After TP in this order;
+        # float8 under TP is refused (float8.check): torchao's Float8ColwiseParallel styles
+        # would have to replace train_2d.py's plan.
+        kept = float8.convert(model, float8_recipe)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(float8.describe(float8_recipe, kept), flush=True)
     if "cp" in (mesh.mesh_dim_names or ()):
         apply_ulysses(model, mesh["cp"])
     for block in model.layers:
@@ -236,7 +253,7 @@ def materialize(model: Transformer, device: torch.device, seed: int, cpu_offload
 
 def build_model(args: ModelArgs, mesh: DeviceMesh, device: torch.device, seed: int, cfg: ParallelConfig, *,
                 dtype: str = "float32", activation_checkpointing: str = "none", compile: bool = False,
-                tp_plan: TPPlan | None = None) -> Transformer:
+                tp_plan: TPPlan | None = None, float8_recipe: str = "off") -> Transformer:
     """A Transformer of shape args, built on the meta device, parallelized on mesh and initialised from seed.
 
     The whole construction order in one call (see parallelize for the options). The weights
@@ -245,6 +262,6 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, device: torch.device, seed: i
     with torch.device("meta"):
         model = Transformer(args)
     parallelize(model, mesh, cfg, dtype=dtype, activation_checkpointing=activation_checkpointing,
-                compile=compile, tp_plan=tp_plan)
+                compile=compile, tp_plan=tp_plan, float8_recipe=float8_recipe)
     materialize(model, device, seed, cfg.cpu_offload)
     return model

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import cli
 import datacache
 import distributed
+import float8
 import hf
 from checkpoint import (
     AppState,
@@ -192,6 +193,8 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
         raise NonFiniteError(f"{e} (loss {loss_sum.item() / n_targets * ranks:.4g} on rank {s.rank})") from None
     if not result.skipped and not torch.isfinite(result.grad_norm).item():
         result.skipped = "non-finite gradient norm"
+    if cfg.train.float8 == "tensorwise":  # the next step's float8 all-gathers use these weights' scales
+        float8.precompute_scales(s.model)
     s.scheduler.step()
     s.train_state.step += 1
     s.train_state.tokens_seen += n_targets
@@ -220,7 +223,8 @@ def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.devi
     t = cfg.train
     if model is None:
         model = build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=compute_dtype(t, device),
-                            activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan)
+                            activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan,
+                            float8_recipe=t.float8)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload,
                                            batch_schedule=t.batch_schedule())
     return Trainable(cfg, rank, device, mesh, dp_mesh(mesh).size(), model, optimizer, scheduler, TrainState())

@@ -1,23 +1,29 @@
 """The CUDA paths the CPU test suite cannot reach, each against a reference, then the 1B preset's speed.
 
-    python benchmarks/gpu_check.py                  # on one CUDA GPU, under 8 minutes on an H200
+    python benchmarks/gpu_check.py                  # on one CUDA GPU, under 9 minutes on an H200
     python benchmarks/gpu_check.py --dry-run        # print the plan; needs no GPU
-    python benchmarks/gpu_check.py --only nccl,flex --json out.json
+    python benchmarks/gpu_check.py --only nccl,flex --json out.json --table out.md
 
-Checks (each prints one PASS/FAIL line with its figures):
-  nccl     the NCCL process group on 1 GPU: an all-reduce of a CUDA tensor (and gloo for CPU ones)
-  bf16     one training step of the debug model in bf16 mixed precision vs fp32: loss within 1e-2 relative
-  flex     FlexAttention with the document block mask vs SDPA with the boolean mask, forward and
-           backward, at the 1B preset's head shape (bf16: max abs diff <= 2e-2; fp32: <= 1e-4)
-  chunked  peak memory (torch.cuda.max_memory_allocated) of the loss step at vocab 128,256 with and
-           without train.loss_chunk_size; loss equal within 1e-4 relative
-  cp       (2 GPUs; skipped on one) the debug model with document_mask, fp32, 4 steps on 1 GPU vs cp 2
-           (Ulysses over NCCL, FlexAttention over the whole sequence): losses within 1e-4 relative
-  speed    the llama3_1b preset, bf16, compiled, 20 steps at the largest micro-batch that fits,
-           with and without the chunked loss: tokens/s, MFU against 989 TFLOP/s, peak memory
-           (informational: no threshold)
+Checks (each prints one PASS/FAIL line with its figures), in this order (CHECKS):
+  nccl      the NCCL process group on 1 GPU: an all-reduce of a CUDA tensor (and gloo for CPU ones)
+  bf16      one training step of the debug model in bf16 mixed precision vs fp32: loss within 1e-2 relative
+  flex      FlexAttention with the document block mask vs SDPA with the boolean mask, forward and
+            backward, at the 1B preset's head shape (bf16: max abs diff <= 2e-2; fp32: <= 1e-4)
+  chunked   peak memory (torch.cuda.max_memory_allocated) of the loss step at vocab 128,256 with and
+            without train.loss_chunk_size; loss equal within 1e-4 relative
+  cp        (2 GPUs; skipped on one) the debug model with document_mask, fp32, 4 steps on 1 GPU vs
+            cp 2 (Ulysses over NCCL, FlexAttention over the whole sequence): losses within 1e-4 relative
+  offload   two fp32 steps with parallel.cpu_offload vs without, gradient clipping acting
+            (pytorch#148532): losses and gradient norms within 1e-4 relative, parameters on CPU
+  float8    two bf16 steps of a 1024-dim model with train.float8 tensorwise and rowwise vs bf16:
+            losses within 2e-2 relative (and not equal), every block Linear converted
+  snapshot  train.profile_steps' trace and CUDA memory snapshot of one step: written, unpickled, drawn
+  speed     llama3_1b, compiled, seq 2048 and 8192 x bf16, float8 tensorwise, float8 rowwise x full
+            and chunked loss: tokens/s, MFU against 989 TFLOP/s, peak memory (gpu_speed.py)
+  goals     over the speed rows: bf16 MFU >= 45%, float8 tensorwise >= 1.2x bf16 tokens/s
 
 Runs in one process (torchrun is not needed). Exit status 0 when every check that ran passed.
+A check that raises fails with the exception's first line, and the others still run.
 """
 from __future__ import annotations
 
@@ -27,41 +33,45 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import distributed  # noqa: E402
+import gpu_speed  # noqa: E402
+import gpu_train_checks  # noqa: E402
 import parallelize  # noqa: E402
 import trainer  # noqa: E402
 from cli import ArgumentParser, number  # noqa: E402
-from config import parse_config  # noqa: E402
+from errors import one_line  # noqa: E402
 from loss import token_loss_sum  # noqa: E402
-from model import PRESETS, ModelArgs, block_causal_mask, block_mask, flops_per_token  # noqa: E402
+from model import PRESETS, ModelArgs, block_causal_mask, block_mask  # noqa: E402
 
-CHECKS = ("nccl", "bf16", "flex", "chunked", "cp", "speed")
-H200_BF16_TFLOPS = 989.0
-SPEED_SEQ_LEN = 2048
-SPEED_MICRO_BATCHES = (16, 8, 4, 2, 1)
 CHUNK = 4096
 
 
-def plan(args) -> list[str]:
-    """One line per check that will run, with its settings."""
-    lines = {
-        "nccl": "nccl: all_reduce of a CUDA tensor over backend 'cpu:gloo,cuda:nccl' (world 1)",
-        "bf16": "bf16: debug model, seq 128, batch 8: one step with train.dtype bfloat16 vs float32, same seed",
-        "flex": "flex: q/k/v (2, 32 heads, 2048, 64), 8 KV heads, 5 documents a row: FlexAttention vs SDPA mask",
-        "chunked": f"chunked: dim 2048, vocab 128,256, 2 x 4096 tokens: loss step peak memory, chunk {CHUNK} vs none",
-        "cp": "cp: debug model, document_mask, fp32, 4 steps: train_fsdp.py on 1 GPU vs --parallel.cp 2 on 2 GPUs "
-              "(skipped with fewer)",
-        "speed": f"speed: llama3_1b, bf16, compile, seq {SPEED_SEQ_LEN}, micro-batch the largest of "
-                 f"{SPEED_MICRO_BATCHES} that fits, {args.steps} timed steps, loss_chunk_size 0 and {CHUNK}",
-    }
-    return [lines[name] for name in args.only]
+@dataclasses.dataclass
+class Context:
+    """What a check gets: the flags, the device, the 1-GPU mesh, and the results of the checks before it."""
+
+    args: argparse.Namespace
+    device: torch.device
+    mesh: object
+    results: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    name: str
+    plan: Callable[[argparse.Namespace], str | list[str]]
+    """Its --dry-run line(s), with its settings."""
+    run: Callable[[Context], tuple]
+    """(ok, one line of figures[, rows for --json]); may raise (then it fails)."""
 
 
 def _step_loss(cfg_model: ModelArgs, dtype: str, mesh, device, tokens, chunk: int = 0) -> float:
@@ -143,92 +153,74 @@ def check_chunked(device) -> tuple[bool, str]:
                          f"{chunk_gib:.2f} GiB ({chunk_gib / full_gib:.2f}x); loss relative difference {rel:.1e}")
 
 
-def check_cp() -> tuple[bool, str]:
-    """Context parallelism on CUDA: 1 GPU vs cp 2 on 2 GPUs, each a torchrun of train_fsdp.py; skipped on one GPU."""
-    import subprocess
-    import tempfile
-
-    if torch.cuda.device_count() < 2:
-        return True, f"skipped: needs 2 GPUs, {torch.cuda.device_count()} visible"
-    tmp = tempfile.mkdtemp(prefix="gpu_check_cp_")
-    common = ["--config", os.path.join(ROOT, "configs", "debug.toml"), "--train.device", "cuda", "--train.dtype",
-              "float32", "--train.steps", "4", "--train.val_interval", "0", "--checkpoint.interval", "1000",
-              "--model.n_kv_heads", "4", "--model.document_mask", "true"]
-    runs = {}
-    for name, n, extra in (("cp1", 1, []), ("cp2", 2, ["--parallel.cp", "2"])):
-        rd = os.path.join(tmp, name)
-        if runs:  # the corpus tokenized once
-            os.makedirs(rd)
-            subprocess.run(["cp", "-r", os.path.join(tmp, "cp1", "data"), rd], check=True)
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                               os.path.join(ROOT, "train_fsdp.py"), *common, "--run_dir", rd, *extra],
-                              capture_output=True, text=True, timeout=900)
-        if proc.returncode:
-            return False, f"{name} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"
-        with open(os.path.join(rd, "metrics.jsonl")) as f:
-            runs[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-    rel = max(abs(a - b) / abs(b) for a, b in zip(runs["cp2"], runs["cp1"]))
-    return rel <= 1e-4 and len(runs["cp2"]) == 4, f"losses cp 2 vs 1 GPU, 4 steps: max relative difference {rel:.1e}"
-
-
-def _speed_run(args, mesh, device, micro: int, chunk: int) -> dict:
-    cfg = parse_config(["--model.preset", "llama3_1b", "--train.dtype", "bfloat16", "--train.compile", "true",
-                        "--data.seq_len", str(SPEED_SEQ_LEN), "--train.global_batch_size", str(micro),
-                        "--train.loss_chunk_size", str(chunk), "--optim.warmup_steps", "10", "--train.steps", "1000"])
-    m = cfg.model
-    tr = trainer.build_trainable(cfg, 0, mesh, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    n = micro * SPEED_SEQ_LEN
-
-    def step():  # the trainer's own step
-        tokens = torch.randint(0, m.vocab_size, (micro, SPEED_SEQ_LEN + 1), device=device, generator=gen)
-        trainer.train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
-
-    for _ in range(3):  # compilation and allocator warm-up
-        step()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    median = sorted(times)[len(times) // 2]
-    tps = n / median
-    return {"micro_batch": micro, "loss_chunk_size": chunk, "tokens_per_sec": tps,
-            "mfu": tps * flops_per_token(m, SPEED_SEQ_LEN) / (H200_BF16_TFLOPS * 1e12),
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+CHECKS: list[Check] = [
+    Check("nccl", lambda a: "nccl: all_reduce of a CUDA tensor over backend 'cpu:gloo,cuda:nccl' (world 1)",
+          lambda c: check_nccl(c.device)),
+    Check("bf16", lambda a: "bf16: debug model, seq 128, batch 8: one step with train.dtype bfloat16 vs float32, "
+                            "same seed", lambda c: check_bf16(c.device, c.mesh)),
+    Check("flex", lambda a: "flex: q/k/v (2, 32 heads, 2048, 64), 8 KV heads, 5 documents a row: FlexAttention vs "
+                            "SDPA mask", lambda c: check_flex(c.device)),
+    Check("chunked", lambda a: f"chunked: dim 2048, vocab 128,256, 2 x 4096 tokens: loss step peak memory, chunk "
+                               f"{CHUNK} vs none", lambda c: check_chunked(c.device)),
+    Check("cp", lambda a: "cp: debug model, document_mask, fp32, 4 steps: train_fsdp.py on 1 GPU vs --parallel.cp 2 "
+                          "on 2 GPUs (skipped with fewer)", lambda c: gpu_train_checks.check_cp()),
+    Check("offload", lambda a: f"offload: debug model, fp32, 2 steps, grad_clip {gpu_train_checks.OFFLOAD_CLIP}: "
+                               f"parallel.cpu_offload true vs false", lambda c: gpu_train_checks.check_offload(
+                                   c.device, c.mesh)),
+    Check("float8", lambda a: "float8: dim 1024, 4 layers, seq 1024, batch 8, bf16, 2 steps: train.float8 "
+                              "tensorwise and rowwise vs off", lambda c: gpu_train_checks.check_float8(c.device,
+                                                                                                       c.mesh)),
+    Check("snapshot", lambda a: "snapshot: debug model, bf16, one step under the loop's profiler: trace and memory "
+                                "snapshot written, unpickled, drawn", lambda c: gpu_train_checks.check_snapshot(
+                                    c.device, c.mesh)),
+    Check("speed", lambda a: gpu_speed.plan(a.steps), lambda c: gpu_speed.check_speed(c.args.steps, c.mesh,
+                                                                                        c.device)),
+    Check("goals", lambda a: "goals: over the speed rows (needs speed): bf16 MFU >= 45%, float8 tensorwise >= "
+                             "1.2x bf16 tokens/s", lambda c: gpu_speed.goals(c.results.get("speed", {}).get(
+                                 "rows", []))),
+]
+"""Every check, in run order; a new one is one entry here (its name becomes an --only choice)."""
+NAMES = [c.name for c in CHECKS]
 
 
-def check_speed(args, mesh, device) -> tuple[bool, str, list]:
-    rows = []
-    for chunk in (0, CHUNK):
-        for micro in SPEED_MICRO_BATCHES:
-            try:
-                rows.append(_speed_run(args, mesh, device, micro, chunk))
-                break
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-    text = "; ".join(f"chunk {r['loss_chunk_size']}: micro-batch {r['micro_batch']}, {r['tokens_per_sec']:,.0f} "
-                     f"tokens/s, MFU {r['mfu']:.1%}, peak {r['peak_mem_gib']:.1f} GiB" for r in rows)
-    return len(rows) == 2, text or "no micro-batch fits", rows
+def plan(args) -> list[str]:
+    """The lines of the checks that will run, with their settings."""
+    lines = []
+    for check in CHECKS:
+        if check.name in args.only:
+            got = check.plan(args)
+            lines += [got] if isinstance(got, str) else got
+    return lines
 
 
 def parse(argv):
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit; needs no GPU")
-    p.add_argument("--only", default=",".join(CHECKS), help=f"comma list of checks among {', '.join(CHECKS)}")
-    p.add_argument("--steps", type=number(int, lambda v: v >= 1, "an int >= 1"), default=20,
-                   help="timed steps of the speed check")
+    p.add_argument("--only", default=",".join(NAMES), help=f"comma list of checks among {', '.join(NAMES)}")
+    p.add_argument("--steps", type=number(int, lambda v: v >= 1, "an int >= 1"), default=10,
+                   help="timed steps of each speed row")
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--table", default="", help="also write the speed rows here as a Markdown table")
     args = p.parse_args(argv)
     only = [c.strip() for c in args.only.split(",") if c.strip()]
-    unknown = [c for c in only if c not in CHECKS]
+    unknown = [c for c in only if c not in NAMES]
     if unknown or not only:
-        p.error(f"--only: unknown check(s) {unknown or args.only!r}; choose among {', '.join(CHECKS)}")
+        p.error(f"--only: unknown check(s) {unknown or args.only!r}; choose among {', '.join(NAMES)}")
     args.only = only
     return args
+
+
+def run_check(check: Check, ctx: Context) -> dict:
+    """Run one check, print its PASS/FAIL line; a check that raises fails with the exception's first line."""
+    t0 = time.perf_counter()
+    try:
+        ok, text, *rows = check.run(ctx)
+    except Exception as e:  # one broken path must not hide the others' results
+        ok, text, rows = False, f"raised {one_line(e)}", []
+        torch.cuda.empty_cache()
+    seconds = time.perf_counter() - t0
+    print(f"{'PASS' if ok else 'FAIL'} {check.name}: {text} [{seconds:.0f} s]", flush=True)
+    return {"ok": ok, "text": text, "seconds": seconds, **({"rows": rows[0]} if rows and rows[0] else {})}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,31 +234,21 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     _, _, device = distributed.init_distributed("cuda")
-    mesh = parallelize.build_mesh(device, 1)
-    results, ok_all = {}, True
-    for name in args.only:
-        t0 = time.perf_counter()
-        extra = None
-        if name == "nccl":
-            ok, text = check_nccl(device)
-        elif name == "bf16":
-            ok, text = check_bf16(device, mesh)
-        elif name == "flex":
-            ok, text = check_flex(device)
-        elif name == "chunked":
-            ok, text = check_chunked(device)
-        elif name == "cp":
-            ok, text = check_cp()
-        else:
-            ok, text, extra = check_speed(args, mesh, device)
-        ok_all &= ok
-        seconds = time.perf_counter() - t0
-        print(f"{'PASS' if ok else 'FAIL'} {name}: {text} [{seconds:.0f} s]", flush=True)
-        results[name] = {"ok": ok, "text": text, "seconds": seconds, **({"rows": extra} if extra else {})}
+    ctx = Context(args, device, parallelize.build_mesh(device, 1))
+    t0 = time.perf_counter()
+    for check in CHECKS:
+        if check.name in args.only:
+            ctx.results[check.name] = run_check(check, ctx)
+    ok_all = all(r["ok"] for r in ctx.results.values())
+    print(f"{sum(r['ok'] for r in ctx.results.values())} of {len(ctx.results)} passed in "
+          f"{time.perf_counter() - t0:.0f} s on {torch.cuda.get_device_name(device)}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                       "checks": results}, f, indent=1, default=lambda o: dataclasses.asdict(o))
+                       "checks": ctx.results}, f, indent=1)
+    if args.table and "speed" in ctx.results:
+        with open(args.table, "w") as f:
+            f.write(gpu_speed.table(ctx.results["speed"].get("rows", [])) + "\n")
     distributed.finish_distributed()
     return 0 if ok_all else 1
 

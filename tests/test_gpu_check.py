@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.py's parts that need no GPU: the plan, its flags, and its refusal without CUDA."""
+"""benchmarks/gpu_check.py's parts that need no GPU: the plan, its flags, its refusal without CUDA, a check that
+raises, and the speed table's goals."""
 import os
 import sys
 
@@ -6,18 +7,48 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import gpu_check  # noqa: E402
+import gpu_speed  # noqa: E402
 
 
-def test_dry_run_prints_one_line_per_check(capsys):
+def test_dry_run_prints_one_line_per_check_and_every_speed_row(capsys):
     assert gpu_check.main(["--dry-run"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == list(gpu_check.CHECKS)
-    assert "llama3_1b" in lines[-1] and "20 timed steps" in lines[-1]
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == gpu_check.NAMES
+    assert gpu_check.NAMES == ["nccl", "bf16", "flex", "chunked", "cp", "offload", "float8", "snapshot", "speed", "goals"]
+    speed = next(line for line in lines if line.startswith("speed:"))
+    assert "llama3_1b" in speed and "10 timed steps" in speed
+    rows = [line.strip() for line in lines if line.startswith("  speed row: ")]
+    assert len(rows) == 12 and rows[0] == "speed row: seq 2048, bf16, loss full"
+    assert "speed row: seq 8192, rowwise, loss chunks of 4096" in rows
 
 
-def test_only_selects_checks_in_the_given_order(capsys):
+def test_only_runs_checks_in_the_table_order(capsys):
     assert gpu_check.main(["--dry-run", "--only", "flex,nccl", "--steps", "5"]) == 0
-    assert [line.split(":")[0] for line in capsys.readouterr().out.strip().splitlines()] == ["flex", "nccl"]
+    assert [line.split(":")[0] for line in capsys.readouterr().out.strip().splitlines()] == ["nccl", "flex"]
+
+
+def test_a_check_that_raises_fails_with_one_line(capsys):
+    def broken(ctx):
+        raise RuntimeError("CUDA error: out of memory\nmore detail")
+
+    result = gpu_check.run_check(gpu_check.Check("x", lambda a: "x", broken), None)
+    line = capsys.readouterr().out.strip()
+    assert not result["ok"] and line.startswith("FAIL x: raised RuntimeError: CUDA error: out of memory more detail ["), line
+
+
+def _rows(f8_speedup: float, mfu: float) -> list[dict]:
+    return [dict(seq_len=s, precision=p, loss_chunk=c, micro_batch=1, mfu=mfu, peak_mem_gib=1.0,
+                 tokens_per_sec=1000.0 * (1 if p == "bf16" else f8_speedup))
+            for s in gpu_speed.SEQ_LENS for p in gpu_speed.PRECISIONS for c in (0, gpu_speed.CHUNK)]
+
+
+def test_the_goals_read_bf16_mfu_and_the_float8_speed_up():
+    assert gpu_speed.goals(_rows(1.25, 0.46))[0]
+    assert not gpu_speed.goals(_rows(1.1, 0.46))[0]
+    ok, text = gpu_speed.goals(_rows(1.25, 0.40))
+    assert not ok and "seq 2048 chunk 0: bf16 MFU 40.0%, float8 1.25x" in text
+    assert not gpu_speed.goals(_rows(1.25, 0.46)[:3])[0]  # rows missing: the speed check did not finish
+    assert gpu_speed.table(_rows(1.25, 0.46)).count("\n") == 2 + 11
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -16,8 +16,17 @@ import torch.nn.functional as F
 import trainer
 from config import parse_config
 from data import PackedCorpus
-from launch import DEBUG, kill_tree, losses, metrics, prepared_data_dir, spawn, torchrun, torchrun_command, \
-    wait_for_step
+from launch import (
+    DEBUG,
+    kill_tree,
+    losses,
+    metrics,
+    prepared_data_dir,
+    spawn,
+    torchrun,
+    torchrun_command,
+    wait_for_step,
+)
 from loader import GlobalBatchLoader
 from loss import chunked_cross_entropy_sum, token_loss_sums
 from model import PRESETS, ModelArgs, Transformer

@@ -1,0 +1,143 @@
+"""train.float8: the blocks' Linear layers as torchao's float8 training modules (Float8Linear).
+
+    tensorwise  one scale per tensor (input, weight, output gradient), e4m3 forward and e5m2
+                gradients; FSDP2 all-gathers the weights in float8 (half of bf16's bytes) with
+                the scale of each weight precomputed for all of them in one all-reduce after
+                every optimizer step (precompute_scales).
+    rowwise     one scale per row of each operand, e4m3 everywhere, scales rounded to powers
+                of 2: closer to bf16's loss, a little slower; torchao refuses the float8
+                all-gather for it (enable_fsdp_float8_all_gather needs one scale per tensor,
+                which a shard alone cannot know for a row), so its weights travel in bf16.
+
+What changes is the matmuls: the parameters stay plain fp32 master weights with the same names,
+so the optimizer, the state dict, DCP checkpoints and hf.py export see the same tensors with
+float8 on or off (under the float8 all-gather each weight is a torchao tensor subclass that
+reports its fp32 dtype and saves as a plain tensor). The output projection stays out (torchtitan
+and OLMo-core keep it in bf16: it sets the logits' precision), and so does any Linear whose
+in or out features are not multiples of 16 (torch._scaled_mm's constraint).
+Source: torchao.float8 (pytorch/ao, torchao/float8/README.md), torchtitan's float8 converter.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from errors import SetupError, require
+
+RECIPES = ("tensorwise", "rowwise")
+EXCLUDED = ("output",)
+"""Module names never converted (the output projection)."""
+
+
+def check(recipe: str, device: torch.device, tp: int) -> None:
+    """The float8 checks, before any collective: raises a UserError naming the field and the fix.
+
+    recipe: train.float8. MissingPackageError without torchao (the float8 extra); SetupError
+    with parallel.tp > 1 (torchao's float8 TP styles are not wired into train_2d.py's plan) and
+    on a CUDA GPU older than compute capability 8.9 (float8 matmuls need Ada/Hopper or newer).
+    """
+    if recipe == "off":
+        return
+    _import_torchao()
+    if tp > 1:
+        raise SetupError(f"train.float8 {recipe} does not run with parallel.tp {tp} (train_2d.py) yet; use "
+                         f"train_fsdp.py (FSDP or HSDP) for float8, or --train.float8 off under tensor parallelism")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        raise SetupError(f"train.float8 {recipe} needs float8 matmuls (compute capability 8.9 or newer: H100, "
+                         f"H200, L40S, B200); {name} has {torch.cuda.get_device_capability(device)}; use "
+                         f"--train.float8 off")
+
+
+def _import_torchao():
+    # torchao 0.18 logs a warning for each CUDA kernel library it cannot load (all of them on a
+    # CPU build of torch), and torch one for an Enum it registers the old way; float8 training
+    # needs none of those kernels, and the Enum works either way.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    pytree = logging.getLogger("torch.utils._pytree")
+    level = pytree.level
+    pytree.setLevel(logging.ERROR)
+    try:
+        require("torchao", "float8", "train.float8")
+        return require("torchao.float8", "float8", "train.float8")  # an old torchao lacks it
+    finally:
+        pytree.setLevel(level)
+
+
+def convertible(module: torch.nn.Module, name: str) -> bool:
+    """Whether the Linear `name` becomes a Float8Linear: not the output projection, both dims multiples of 16."""
+    if not isinstance(module, torch.nn.Linear):
+        return True  # torchao asks about every module on its way down; only Linear layers are swapped
+    return name not in EXCLUDED and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def convert(model: torch.nn.Module, recipe: str) -> list[str]:
+    """Swap the model's eligible nn.Linear layers for torchao Float8Linear in place; returns the Linear layers kept.
+
+    recipe: 'tensorwise' (with FSDP2's float8 all-gather) or 'rowwise'. Works on the meta
+    device (before to_empty): the swap keeps each module's name and its weight Parameter.
+    Returns the names of the Linear layers left in high precision (the output projection,
+    and those whose dims are not multiples of 16), for the start-up line.
+    """
+    ao = _import_torchao()
+    if recipe == "tensorwise":
+        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    else:  # the float8 all-gather needs tensorwise scales (torchao asserts it)
+        config = ao.Float8LinearConfig.from_recipe_name(recipe)
+    kept = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not convertible(m, name)]
+    ao.convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+    return kept
+
+
+def converted(model: torch.nn.Module) -> list[str]:
+    """Names of the model's Float8Linear modules (empty when float8 is off or torchao is absent)."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return []
+    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def precompute_scales(model: torch.nn.Module) -> None:
+    """After an optimizer step: every float8-all-gathered weight's scale in one all-reduce (tensorwise only).
+
+    Without it each weight's scale would be found at its all-gather, one all-reduce per layer.
+    A no-op for models without the float8 all-gather (rowwise, off). Collective over the
+    weights' mesh.
+    """
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def describe(recipe: str, kept: list[str]) -> str:
+    """The start-up line's words: the recipe, the all-gather, and the Linear layers left in high precision."""
+    gather = "float8 all-gather" if recipe == "tensorwise" else "bf16/fp32 all-gather"
+    return f"[train] float8 {recipe} ({gather}); kept in high precision: {', '.join(kept) or 'none'}"
+
+
+def plain_state_dict(state: dict) -> dict:
+    """state (a model state dict) with every float8-all-gather weight as the plain fp32 tensor it wraps.
+
+    Under tensorwise each converted weight is a DTensor whose local shard is torchao's
+    WeightWithDynamicFloat8CastTensor; saved as is, DCP would pickle that class, and a
+    checkpoint would need torchao (and weights_only loading would refuse it). The plain DTensor
+    returned shares the shard's storage, so a DCP load into it writes the parameter.
+    Other values are returned as they are; without torchao imported, state itself.
+    """
+    import sys
+    if "torchao.float8" not in sys.modules:
+        return state
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    out = {}
+    for key, value in state.items():
+        local = value._local_tensor if isinstance(value, DTensor) else None
+        if isinstance(local, WeightWithDynamicFloat8CastTensor):
+            value = DTensor.from_local(local._tensor, value.device_mesh, value.placements, run_check=False,
+                                       shape=value.shape, stride=value.stride())
+        elif isinstance(value, WeightWithDynamicFloat8CastTensor):
+            value = value._tensor
+        out[key] = value
+    return out
