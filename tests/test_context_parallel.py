@@ -1,6 +1,6 @@
 """Context parallelism (parallel.cp, Ulysses) against one process on CPU/gloo: logits of packed windows whose
 documents cross the slice boundaries, losses and whole gradients at cp 2, dp 2 x cp 2, cp 2 x tp 2 and cp 4,
-and a run killed at cp 2 resumed at cp 1 and in 2D. Bad layouts are in test_bad_input.py."""
+and a run killed at cp 2 resumed at cp 1, at plain FSDP 2 and in 2D. Bad layouts are in test_bad_input.py."""
 import shutil
 
 import pytest
@@ -60,7 +60,7 @@ def test_context_parallel_layouts_match_one_process(worker, packed_tokens, nproc
 
 
 @pytest.mark.slow
-def test_sigkill_at_cp2_then_resume_at_cp1_and_in_2d_gives_the_uninterrupted_losses(tmp_path, reference):
+def test_sigkill_at_cp2_then_resume_at_cp1_fsdp2_and_in_2d_gives_the_uninterrupted_losses(tmp_path, reference):
     # The conftest reference: 2 FSDP ranks, 10 steps, a checkpoint every 2. Killed at cp 2 (one data-parallel
     # rank) after step 5 or later, the newest checkpoint is step 4 or later.
     rd = tmp_path / "cp2"
@@ -70,13 +70,15 @@ def test_sigkill_at_cp2_then_resume_at_cp1_and_in_2d_gives_the_uninterrupted_los
     wait_for_step(rd, 5, p)
     kill_tree(p.pid)  # SIGKILL to every process, as a node failure
     assert p.wait(timeout=120) != 0, "the run finished before it was killed"
-    two_d = tmp_path / "dp1xtp2"
-    prepared_data_dir(two_d)
-    shutil.copytree(rd / "checkpoints", two_d / "checkpoints")
+    two_d, fsdp2 = tmp_path / "dp1xtp2", tmp_path / "fsdp2"
+    for other in (two_d, fsdp2):
+        prepared_data_dir(other)
+        shutil.copytree(rd / "checkpoints", other / "checkpoints")
     debug_run(1, rd, *REFERENCE_ARGS)  # cp 1 on one rank
     debug_run(2, two_d, *REFERENCE_ARGS, "--train.steps", "7", "--parallel.tp", "2", script="train_2d.py")
+    debug_run(2, fsdp2, *REFERENCE_ARGS, "--train.steps", "7")  # 2 data-parallel ranks where there was one
     want = losses(reference)
-    for run in (rd, two_d):
+    for run in (rd, two_d, fsdp2):
         got = losses(run)
         assert max(got) == (10 if run == rd else 7)
         assert max(abs(got[s] - want[s]) / want[s] for s in got) <= 1e-4, run.name
