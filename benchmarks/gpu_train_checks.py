@@ -55,7 +55,7 @@ def check_cp() -> tuple[bool, str]:
             return False, f"{name} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"
         with open(os.path.join(rd, "metrics.jsonl")) as f:
             runs[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-    rel = max(abs(a - b) / abs(b) for a, b in zip(runs["cp2"], runs["cp1"]))
+    rel = _rel(runs["cp2"], runs["cp1"])
     return rel <= 1e-4 and len(runs["cp2"]) == 4, f"losses cp 2 vs 1 GPU, 4 steps: max relative difference {rel:.1e}"
 
 
