@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-import float8
-import storage
-from errors import ConfigError, UserError, one_line
-from optim import reapply_schedule
-from rundir import CONFIG_FILE, RunDir
+from core.errors import ConfigError, UserError, one_line
+from optimization.optimizers import reapply_schedule
+from parallel import float8
+from storage import fs
+from storage.rundir import CONFIG_FILE, RunDir
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 COMMIT_MARKER = ".committed"
@@ -137,12 +137,12 @@ class AppState(Stateful):
 
 def step_dir(root: str, step: int) -> str:
     """The directory (or URL) of step's checkpoint under root."""
-    return storage.join(root, f"step_{step:08d}") if root else f"step_{step:08d}"
+    return fs.join(root, f"step_{step:08d}") if root else f"step_{step:08d}"
 
 
 def is_complete(path: str) -> bool:
     """Whether the checkpoint at path is committed: local, DCP's .metadata (renamed in whole); URL, the marker."""
-    return storage.isfile(storage.join(path, COMMIT_MARKER if storage.is_url(path) else ".metadata"))
+    return fs.isfile(fs.join(path, COMMIT_MARKER if fs.is_url(path) else ".metadata"))
 
 
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -150,7 +150,7 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
 
     Local '.tmp' directories and, on a URL, steps without COMMIT_MARKER are left out.
     """
-    found = [(int(m.group(1)), storage.join(root, name)) for name in storage.listdir(root)
+    found = [(int(m.group(1)), fs.join(root, name)) for name in fs.listdir(root)
              for m in [_STEP_DIR.match(name)] if m]
     return sorted((step, path) for step, path in found if is_complete(path))
 
@@ -158,14 +158,14 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
 def read_metadata(path: str):
     """DCP metadata of a checkpoint (a directory or URL); raises CheckpointError naming the file if unreadable
     or, on a URL, if the checkpoint was never committed."""
-    meta_file = storage.join(path, ".metadata")
+    meta_file = fs.join(path, ".metadata")
     try:
-        if not storage.isfile(meta_file):
+        if not fs.isfile(meta_file):
             raise CheckpointError(f"checkpoint '{path}': no .metadata file; it is not a complete DCP checkpoint")
-        if storage.is_url(path) and not storage.isfile(storage.join(path, COMMIT_MARKER)):
+        if fs.is_url(path) and not fs.isfile(fs.join(path, COMMIT_MARKER)):
             raise CheckpointError(f"checkpoint '{path}' has no {COMMIT_MARKER} marker: its save never finished; "
                                   f"pick another checkpoint")
-        return (storage.dcp_reader(path) or dcp.FileSystemReader(path)).read_metadata()
+        return (fs.dcp_reader(path) or dcp.FileSystemReader(path)).read_metadata()
     except CheckpointError:
         raise
     except Exception as e:  # pickle or IO errors of any kind
@@ -180,7 +180,7 @@ def check_compatible(path: str, model_shapes: dict[str, torch.Size]) -> None:
     meta = read_metadata(path)
     for info in (meta.storage_data or {}).values():
         rel = getattr(info, "relative_path", None)
-        if rel and not storage.isfile(storage.join(path, rel)):
+        if rel and not fs.isfile(fs.join(path, rel)):
             raise CheckpointError(f"checkpoint '{path}' is incomplete: '{rel}' is missing; resume from another "
                                   f"checkpoint with --checkpoint.load_from, or delete this one")
     saved = {k[len("app.model."):]: tuple(v.size) for k, v in meta.state_dict_metadata.items()
@@ -204,9 +204,9 @@ def saved_config(path: str) -> dict:
 
     Raises CheckpointError naming the file if it cannot be read.
     """
-    saved_file = storage.join(path, CONFIG_FILE)
+    saved_file = fs.join(path, CONFIG_FILE)
     try:
-        return tomllib.loads(storage.read_bytes(saved_file).decode())
+        return tomllib.loads(fs.read_bytes(saved_file).decode())
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
@@ -276,7 +276,7 @@ def read_model_weights(path: str, state_dict: dict[str, torch.Tensor], no_dist: 
     with warnings.catch_warnings():  # DCP warns that it assumes one process, which is the point
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:
-            dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, storage_reader=storage.dcp_reader(path),
+            dcp.load({"app": {"model": state_dict}}, checkpoint_id=path, storage_reader=fs.dcp_reader(path),
                      no_dist=no_dist)
         except (CheckpointException, OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
             # A truncated or overwritten shard file: the metadata was fine, the data is not.
@@ -299,7 +299,7 @@ class Checkpointer:
         self.cfg = cfg
         self.config_text = config_text  # the run's resolved config, written into every checkpoint
         self.root = root  # the run's checkpoints directory (RunDir.checkpoints) or URL (checkpoint.dir)
-        self.remote = storage.is_url(root)
+        self.remote = fs.is_url(root)
         self.rank = rank
         self._pending: tuple[Future, str, str] | None = None
         self._last_step = -1  # the same on every rank, unlike a directory listing during a commit
@@ -324,11 +324,11 @@ class Checkpointer:
         if self.rank != 0:
             return
         if self.remote:
-            for name in storage.listdir(self.root):
-                path = storage.join(self.root, name)
+            for name in fs.listdir(self.root):
+                path = fs.join(self.root, name)
                 if _STEP_DIR.match(name) and not is_complete(path):
                     print(f"[checkpoint] removing {path}: its save never finished (no {COMMIT_MARKER})", flush=True)
-                    storage.remove(path)
+                    fs.remove(path)
             return
         if not os.path.lexists(self.root):
             return
@@ -362,7 +362,7 @@ class Checkpointer:
         """Load path into state in place (collective). The caller checks compatibility first."""
         target = _Loading(state, set(read_metadata(path).state_dict_metadata))
         try:
-            dcp.load({"app": target}, checkpoint_id=path, storage_reader=storage.dcp_reader(path))
+            dcp.load({"app": target}, checkpoint_id=path, storage_reader=fs.dcp_reader(path))
         except CheckpointException as e:  # DCP gathers every rank's failure, so all ranks get here
             failures = "; ".join(f"rank {r}: {type(err[0]).__name__}: {str(err[0])[:80]}"
                                  for r, err in sorted(e.failures.items())[:2])
@@ -382,7 +382,7 @@ class Checkpointer:
         self._last_step = step
         final = step_dir(self.root, step)
         target = final if self.remote else final + ".tmp"  # an object store has no rename: write in place
-        writer = storage.dcp_writer(target, after_finish=lambda: self._write_marker(final))
+        writer = fs.dcp_writer(target, after_finish=lambda: self._write_marker(final))
         if not self.remote:
             os.makedirs(self.root, exist_ok=True)
         try:
@@ -434,8 +434,8 @@ class Checkpointer:
     def _write_marker(self, final: str) -> None:
         """Rank 0, inside DCP's finish step of a URL save: config.toml, then the commit marker, last."""
         if self.config_text is not None:
-            storage.write_bytes(storage.join(final, CONFIG_FILE), self.config_text.encode())
-        storage.write_bytes(storage.join(final, COMMIT_MARKER), b"")
+            fs.write_bytes(fs.join(final, CONFIG_FILE), self.config_text.encode())
+        fs.write_bytes(fs.join(final, COMMIT_MARKER), b"")
 
     def _commit(self, tmp: str, final: str) -> None:
         self.last_complete = final
@@ -454,12 +454,12 @@ class Checkpointer:
             os.replace(tmp, final)
         if self.cfg.keep > 0:
             for _, old in complete_checkpoints(self.root)[:-self.cfg.keep]:
-                storage.remove(old)
+                fs.remove(old)
 
 
 def _differ(a: str, b: str) -> bool:
     """Whether two checkpoint paths or URLs name different checkpoints (local paths compared after resolving links)."""
-    if storage.is_url(a) or storage.is_url(b):
+    if fs.is_url(a) or fs.is_url(b):
         return a.rstrip("/") != b.rstrip("/")
     return os.path.realpath(a) != os.path.realpath(b)
 

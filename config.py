@@ -20,25 +20,24 @@ from typing import Literal
 
 import torch
 
-import cli
-import datacache
-import float8
-import mixture
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
-from context_parallel import check_cp_layout
+from core import cli
+from core.errors import ConfigError, SetupError
 from data import DataConfig
-from distributed import local_world_size, resolve_device
-from downstream import EvalConfig, check_tasks
-from errors import ConfigError, SetupError
-from metrics import MetricsConfig, check_metrics
+from data_pipeline import datacache, mixture
+from data_pipeline.sources import check_source
+from data_pipeline.tokenizer import EOT, load_tokenizer
+from evaluation.downstream import EvalConfig, check_tasks
 from model import PRESETS, ModelArgs
-from optim import OptimConfig
-from parallelize import ParallelConfig, check_layout
-from profiling import parse_steps
-from rundir import RunDir
-from sources import check_source
-from storage import check_location
-from tokenizer import EOT, load_tokenizer
+from observability.metrics import MetricsConfig, check_metrics
+from observability.profiling import parse_steps
+from optimization.optimizers import OptimConfig
+from parallel import float8
+from parallel.context_parallel import check_cp_layout
+from parallel.distributed import local_world_size, resolve_device
+from parallel.parallelize import ParallelConfig, check_layout
+from storage.fs import check_location
+from storage.rundir import RunDir
 
 
 @dataclasses.dataclass

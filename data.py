@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from errors import ConfigError, UserError
+from core.errors import ConfigError, UserError
 
 
 class DataError(UserError):

@@ -39,18 +39,18 @@ import tempfile
 
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-import cli
-import distributed
 from checkpoint import read_model_weights
-from cli import ArgumentParser, number
 from config import compute_dtype, load_run, parse_config
+from core import cli
+from core.cli import ArgumentParser, number
+from core.errors import SetupError, UserError, report
 from data import DataError, PackedCorpus
-from downstream import READY, TaskConfig, check_tasks, evaluate_tasks, load_tasks
-from errors import SetupError, UserError, report
-from parallelize import build_mesh, build_model, dp_mesh
+from evaluation.downstream import READY, TaskConfig, check_tasks, evaluate_tasks, load_tasks
+from evaluation.validation import loss_sum_and_count, val_set
+from parallel import distributed
+from parallel.parallelize import build_mesh, build_model, dp_mesh
 from prepare import prepare
-from rundir import RunDir
-from validation import loss_sum_and_count, val_set
+from storage.rundir import RunDir
 
 
 def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0, source: str = "") -> list[tuple[int, int]]:

@@ -20,11 +20,11 @@ from torch import Tensor
 
 import hf
 from checkpoint import read_model_weights
-from cli import ArgumentParser, number
 from config import load_run
-from errors import UserError, report
+from core.cli import ArgumentParser, number
+from core.errors import UserError, report
+from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer
 from model import Transformer
-from tokenizer import EOT, encode_plain, load_tokenizer
 
 
 def _last_logits(output: torch.nn.Module, h: Tensor) -> Tensor:

@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 
 from checkpoint import read_model_weights
-from cli import ArgumentParser
 from config import load_run
-from errors import UserError, one_line, report, require
+from core.cli import ArgumentParser
+from core.errors import UserError, one_line, report, require
+from data_pipeline.tokenizer import EOT, load_tokenizer
 from model import ModelArgs, Transformer
-from tokenizer import EOT, load_tokenizer
 
 # ---------------------------------------------------------------- the name mapping
 

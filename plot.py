@@ -15,9 +15,9 @@ import math
 import os
 import sys
 
-from cli import ArgumentParser, number
-from errors import UserError, require
-from rundir import RunDir
+from core.cli import ArgumentParser, number
+from core.errors import UserError, require
+from storage.rundir import RunDir
 
 TRAIN_KEYS = ("loss", "lr", "tokens_per_sec", "mfu", "tokens_seen")
 

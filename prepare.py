@@ -30,17 +30,17 @@ from typing import BinaryIO, Iterable, Iterator
 import numpy as np
 import torch.distributed as dist
 
-import distributed
 from config import check_run_dir, parse_config
+from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
-from datacache import publish, sha256_file
-from errors import ConfigError, UserError, report
-from mixture import weight_shares
-from progress import duration
-from rundir import RunDir
-from sources import check_source, iter_documents, source_units, txt_notice
-from storage import check_location
-from tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
+from data_pipeline.datacache import publish, sha256_file
+from data_pipeline.mixture import weight_shares
+from data_pipeline.sources import check_source, iter_documents, source_units, txt_notice
+from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
+from observability.progress import duration
+from parallel import distributed
+from storage.fs import check_location
+from storage.rundir import RunDir
 
 
 def pack_documents(docs: Iterable[list[int]], eot_id: int, dtype: str = "uint32") -> np.ndarray:

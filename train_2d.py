@@ -27,9 +27,9 @@ import sys
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-import trainer
 from config import Config
-from errors import SetupError
+from core.errors import SetupError
+from training import trainer
 
 # Between blocks the residual stream is sharded on the sequence (Shard(1), a plain local
 # tensor of shape (batch, seq / tp, dim)); the norms run on that shard and their weights

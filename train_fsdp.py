@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-import trainer
+from training import trainer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,16 +49,15 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import config as config_lib  # noqa: E402
 import data as data_lib  # noqa: E402
-import distributed  # noqa: E402
-import errors  # noqa: E402
-import loader as loader_lib  # noqa: E402
-import metrics  # noqa: E402
 import model as model_lib  # noqa: E402
-import optim  # noqa: E402
-import parallelize  # noqa: E402
 import prepare  # noqa: E402
-import trainer  # noqa: E402
-import validation  # noqa: E402
+from core import errors  # noqa: E402
+from data_pipeline import loader as loader_lib  # noqa: E402
+from evaluation import validation  # noqa: E402
+from observability import metrics  # noqa: E402
+from optimization import optimizers  # noqa: E402
+from parallel import distributed, parallelize  # noqa: E402
+from training import trainer  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -154,7 +153,7 @@ class HFStep(OursStep):
         self.model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
                                                                    dtype=dtype).to(device)
         self.model.train()
-        self.optimizer, self.scheduler = optim.build_optimizer(self.model, cfg.optim, cfg.train.steps,
+        self.optimizer, self.scheduler = optimizers.build_optimizer(self.model, cfg.optim, cfg.train.steps,
                                                                fused=not cfg.parallel.cpu_offload)
         self.n_targets = cfg.train.global_batch_size * cfg.data.seq_len
 

@@ -25,14 +25,16 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-import distributed  # noqa: E402
-import parallelize  # noqa: E402
-import storage  # noqa: E402
-import trainer  # noqa: E402
 from checkpoint import AppState  # noqa: E402
 from data import inputs_labels  # noqa: E402
-from loader import DataState  # noqa: E402
+from data_pipeline.loader import DataState  # noqa: E402
 from model import num_params  # noqa: E402
+from parallel import (
+    distributed,  # noqa: E402
+    parallelize,  # noqa: E402
+)
+from storage import fs  # noqa: E402
+from training import trainer  # noqa: E402
 
 
 def _dir_bytes(path: str) -> int:
@@ -47,20 +49,20 @@ def time_target(app: AppState, root: str, repeats: int, gloo, stager) -> tuple[l
     """(sync save s, load s, async loop-blocked s, async written s), one entry per repeat, under root (path or URL)."""
     saves, loads, blocked, async_total = [], [], [], []
     for r in range(repeats):
-        path = storage.join(root, f"sync{r}")
+        path = fs.join(root, f"sync{r}")
         dist.barrier()
         t0 = time.perf_counter()
-        dcp.save({"app": app}, checkpoint_id=path, storage_writer=storage.dcp_writer(path))
+        dcp.save({"app": app}, checkpoint_id=path, storage_writer=fs.dcp_writer(path))
         dist.barrier()
         saves.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        dcp.load({"app": app}, checkpoint_id=path, storage_reader=storage.dcp_reader(path))
+        dcp.load({"app": app}, checkpoint_id=path, storage_reader=fs.dcp_reader(path))
         dist.barrier()
         loads.append(time.perf_counter() - t0)
-        path = storage.join(root, f"async{r}")
+        path = fs.join(root, f"async{r}")
         dist.barrier()
         t0 = time.perf_counter()
-        fut = dcp.async_save({"app": app}, checkpoint_id=path, storage_writer=storage.dcp_writer(path),
+        fut = dcp.async_save({"app": app}, checkpoint_id=path, storage_writer=fs.dcp_writer(path),
                              process_group=gloo, async_stager=stager)
         blocked.append(time.perf_counter() - t0)
         fut.result()
@@ -104,7 +106,7 @@ def main() -> None:
                   f"({statistics.median(blocked) / statistics.median(saves):.0%} of a sync save)")
     if rank == 0:
         for root in targets:
-            storage.remove(root)
+            fs.remove(root)
     stager.close()
     distributed.finish_distributed()
 

@@ -37,10 +37,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import config as config_lib  # noqa: E402
-import context_parallel  # noqa: E402
-import distributed  # noqa: E402
-import parallelize  # noqa: E402
-import trainer  # noqa: E402
+from parallel import context_parallel, distributed, parallelize  # noqa: E402
+from training import trainer  # noqa: E402
 
 MIB = 2 ** 20
 DEFAULTS = ["--config", os.path.join(ROOT, "configs", "debug.toml"), "--model.n_kv_heads", "4",

@@ -24,11 +24,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import mixture  # noqa: E402
 import prepare  # noqa: E402
 from config import parse_config  # noqa: E402
 from data import PackedCorpus  # noqa: E402
-from loader import GlobalBatchLoader  # noqa: E402
+from data_pipeline import mixture  # noqa: E402
+from data_pipeline.loader import GlobalBatchLoader  # noqa: E402
 
 
 def time_prepare(cfg, dtype: str, runs: int, root: str) -> dict:

@@ -23,13 +23,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-import distributed  # noqa: E402
-import downstream  # noqa: E402
-import parallelize  # noqa: E402
-import sources  # noqa: E402
-import trainer  # noqa: E402
 from data import inputs_labels  # noqa: E402
-from rundir import RunDir  # noqa: E402
+from data_pipeline import sources  # noqa: E402
+from evaluation import downstream  # noqa: E402
+from parallel import (
+    distributed,  # noqa: E402
+    parallelize,  # noqa: E402
+)
+from storage.rundir import RunDir  # noqa: E402
+from training import trainer  # noqa: E402
 
 
 def _flag(argv: list[str], name: str, default: int) -> int:

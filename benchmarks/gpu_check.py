@@ -42,15 +42,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import distributed  # noqa: E402
 import gpu_speed  # noqa: E402
 import gpu_train_checks  # noqa: E402
-import parallelize  # noqa: E402
-import trainer  # noqa: E402
-from cli import ArgumentParser, number  # noqa: E402
-from errors import one_line  # noqa: E402
-from loss import token_loss_sum  # noqa: E402
+from core.cli import ArgumentParser, number  # noqa: E402
+from core.errors import one_line  # noqa: E402
 from model import PRESETS, ModelArgs, block_causal_mask, block_mask  # noqa: E402
+from nn.loss import token_loss_sum  # noqa: E402
+from parallel import distributed, parallelize  # noqa: E402
+from training import trainer  # noqa: E402
 
 CHUNK = 4096
 

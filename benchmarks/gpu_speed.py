@@ -14,9 +14,9 @@ import time
 
 import torch
 
-import trainer
 from config import parse_config
 from model import flops_per_token
+from training import trainer
 
 SEQ_LENS = (2048, 8192)
 PRECISIONS = ("bf16", "tensorwise", "rowwise")

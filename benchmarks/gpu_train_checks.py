@@ -18,11 +18,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-import float8
-import trainer
 from config import parse_config
-from profiling import StepProfiler
-from rundir import RunDir
+from observability.profiling import StepProfiler
+from parallel import float8
+from storage.rundir import RunDir
+from training import trainer
 
 DEBUG = ["--model.preset", "debug", "--data.seq_len", "128", "--train.global_batch_size", "8"]
 # A shape float8 is built for (dims multiples of 16, matmuls large enough to matter), small enough to build in seconds.

@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import distributed  # noqa: E402
-import trainer  # noqa: E402
 from config import parse_config  # noqa: E402
-from muon import is_muon_matrix  # noqa: E402
-from parallelize import build_mesh  # noqa: E402
+from optimization.muon import is_muon_matrix  # noqa: E402
+from parallel import distributed  # noqa: E402
+from parallel.parallelize import build_mesh  # noqa: E402
+from training import trainer  # noqa: E402
 
 
 def state_bytes(tr) -> int:

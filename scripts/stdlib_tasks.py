@@ -24,7 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import sources  # noqa: E402
+from data_pipeline import sources  # noqa: E402
 
 HARNESS_YAML = """task: {name}
 dataset_path: json

@@ -16,8 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import distributed  # noqa: E402
 from launch import DEBUG, GRAD_STEPS, REFERENCE_ARGS, debug_run, prepared_data_dir, torchrun  # noqa: E402
+from parallel import distributed  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import distributed  # noqa: E402
 import train_2d  # noqa: E402
-import trainer  # noqa: E402
 from config import parse_config  # noqa: E402
-from context_parallel import cp_size, shard_batch  # noqa: E402
-from parallelize import loss_mesh  # noqa: E402
+from parallel import distributed  # noqa: E402
+from parallel.context_parallel import cp_size, shard_batch  # noqa: E402
+from parallel.parallelize import loss_mesh  # noqa: E402
+from training import trainer  # noqa: E402
 
 
 def replica_spread(model, tp_mesh) -> dict[str, float]:

@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import distributed  # noqa: E402
 import hf  # noqa: E402
-import trainer  # noqa: E402
 from config import parse_config  # noqa: E402
-from loss import token_loss_sum  # noqa: E402
-from parallelize import copy_sharded  # noqa: E402
+from nn.loss import token_loss_sum  # noqa: E402
+from parallel import distributed  # noqa: E402
+from parallel.parallelize import copy_sharded  # noqa: E402
+from training import trainer  # noqa: E402
 
 
 def main() -> None:

@@ -19,10 +19,10 @@ from torch.distributed.tensor import distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import distributed  # noqa: E402
 import train_2d  # noqa: E402
-import trainer  # noqa: E402
 from config import parse_config  # noqa: E402
+from parallel import distributed  # noqa: E402
+from training import trainer  # noqa: E402
 
 STEPS = 2
 

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-import distributed
+from parallel import distributed
 
 
 def start_server(bucket: str, timeout: float = 60) -> tuple[subprocess.Popen, dict[str, str]]:

@@ -4,8 +4,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import filesplit  # noqa: E402
 import prepare  # noqa: E402
+from data_pipeline import filesplit  # noqa: E402
 
 if __name__ == "__main__":
     assert sys.argv[1] == "--unit_bytes", "usage: small_units_prepare.py --unit_bytes N prepare-arguments..."

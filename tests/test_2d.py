@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-import distributed
 import train_2d
 from config import parse_config
 from launch import DEBUG, GRAD_STEPS, ROOT, debug_run, losses, metrics, prepared_data_dir
 from model import PRESETS, ModelArgs, Transformer
-from parallelize import ParallelConfig, shard_group_note
+from parallel import distributed
+from parallel.parallelize import ParallelConfig, shard_group_note
 
 STEPS = GRAD_STEPS  # of the conftest `worker` fixture
 FAST = ["--checkpoint.interval", "1000", "--train.val_interval", "0"]

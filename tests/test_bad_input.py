@@ -8,11 +8,10 @@ import pytest
 
 import checkpoint as ckpt_lib
 import data
-import distributed
-import sources
-import tokenizer
 import train_fsdp
+from data_pipeline import sources, tokenizer
 from launch import DEBUG, debug_run, metrics, prepared_data_dir
+from parallel import distributed
 
 
 def _snapshot(rd):

@@ -11,7 +11,6 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import checkpoint as ckpt_lib
-import trainer
 from config import parse_config
 from launch import (
     DEBUG,
@@ -25,6 +24,7 @@ from launch import (
     torchrun_command,
     wait_for_step,
 )
+from training import trainer
 
 
 def _session(run_dir, *overrides):

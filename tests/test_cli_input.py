@@ -10,7 +10,7 @@ import pytest
 import evaluate
 import generate
 import hf
-import tokenizer
+from data_pipeline import tokenizer
 from debug_export import debug_run_dir
 from launch import ROOT, refused
 from model import ModelArgs

@@ -1,12 +1,12 @@
 """cli.py and the root config: TOML + --section.field overrides, presets, --help, clear errors."""
 import pytest
 
-import cli
-import distributed
-import trainer
 from config import Config, parse_config
-from errors import ConfigError
+from core import cli
+from core.errors import ConfigError
 from launch import DEBUG, prepared_data_dir, refused
+from parallel import distributed
+from training import trainer
 
 
 def test_debug_toml_with_overrides_and_preset():
@@ -120,7 +120,7 @@ def test_values_no_run_can_use_are_refused_when_parsed(argv, msg):
 
 
 def test_an_error_message_stays_one_line_whatever_the_names_hold(capsys):
-    from errors import UserError, report
+    from core.errors import UserError, report
 
     report(UserError("data.dataset: no file matches 'a\nb.jsonl'"))
     err = capsys.readouterr().err

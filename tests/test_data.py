@@ -11,13 +11,11 @@ import pytest
 import torch
 
 import data
-import filesplit
 import prepare
-import sources
-import tokenizer
-import validation
 from data import DataConfig, DataError, PackedCorpus
-from loader import DataState, GlobalBatchLoader
+from data_pipeline import filesplit, sources, tokenizer
+from data_pipeline.loader import DataState, GlobalBatchLoader
+from evaluation import validation
 
 
 def test_pack_documents_keeps_every_token_and_one_separator_per_document():

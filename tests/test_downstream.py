@@ -15,10 +15,10 @@ from lm_eval.api.task import ConfigurableTask
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks._yaml_loader import load_yaml  # the loader of the harness's task YAML (!function, include)
 
-import downstream
 import evaluate
-import tokenizer
 import train_fsdp
+from data_pipeline import tokenizer
+from evaluation import downstream
 from launch import DEBUG, ROOT, metrics, prepared_data_dir, refused, torchrun
 from scripts.stdlib_tasks import write_tasks
 

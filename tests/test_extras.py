@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-import errors
 import train_fsdp
+from core import errors
 from launch import DEBUG
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,18 +14,20 @@ pytest.importorskip("torchao.float8")  # the dev extra installs it; without it o
 
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
-import cli  # noqa: E402
-import float8  # noqa: E402
 import hf  # noqa: E402
-import parallelize  # noqa: E402
 import train_2d  # noqa: E402
 import train_fsdp  # noqa: E402
-import trainer  # noqa: E402
 from checkpoint import complete_checkpoints, read_model_weights  # noqa: E402
+from core import cli  # noqa: E402
 from launch import DEBUG, REFERENCE_ARGS, debug_run, losses, metrics, prepared_data_dir, refused  # noqa: E402
 from model import PRESETS, ModelArgs, Transformer  # noqa: E402
-from rundir import RunDir  # noqa: E402
+from parallel import (
+    float8,  # noqa: E402
+    parallelize,  # noqa: E402
+)
+from storage.rundir import RunDir  # noqa: E402
 from test_checkpoint import _kill_after, _session, _steps  # noqa: E402
+from training import trainer  # noqa: E402
 
 F8 = ("--train.float8", "tensorwise")
 CPU = torch.device("cpu")

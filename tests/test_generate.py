@@ -11,11 +11,11 @@ import torch
 
 import generate
 import hf
+from data_pipeline.tokenizer import train_tokenizer
 from debug_export import debug_run_dir, exported_dir
 from launch import ROOT
 from model import ModelArgs
 from models import random_model
-from tokenizer import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import data
 import generate
 import hf
-import tokenizer
 from config import parse_config
+from data_pipeline import tokenizer
 from debug_export import debug_run_dir, exported_dir
 from launch import DEBUG, ROOT, metrics, prepared_data_dir, torchrun
 from model import PRESETS, ModelArgs, Transformer
@@ -32,7 +32,7 @@ TEXTS = ["def main():\n    print('héllo, wörld')  # 🙂\n", "  leading and   
 @pytest.fixture(scope="module")
 def tok_path(tmp_path_factory):
     """A tiny byte-level BPE tokenizer trained as prepare.py trains one."""
-    corpus = [open(os.path.join(ROOT, f)).read() for f in ("model.py", "data.py", "cli.py")]
+    corpus = [open(os.path.join(ROOT, f)).read() for f in ("model.py", "data.py", "core/cli.py")]
     path = str(tmp_path_factory.mktemp("tok") / "tokenizer.json")
     tokenizer.train_tokenizer(corpus, 320, 200_000).save(path)
     return path

@@ -6,6 +6,8 @@ import zipfile
 
 import pytest
 
+from project import modules
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -37,9 +39,9 @@ def test_wheel_carries_the_dependencies(wheel):
 
 def test_every_module_of_the_checkout_imports_from_it():
     """The modules that the wheel leaves out are whole in the checkout: each imports from the root."""
-    mods = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+    mods = sorted(modules())
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
     r = subprocess.run([sys.executable, "-c", code, *mods], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {"trainer", "loader", "mixture", "train_fsdp", "train_2d"} <= set(mods)
+    assert {"training.trainer", "data_pipeline.loader", "data_pipeline.mixture", "train_fsdp", "train_2d"} <= set(mods)

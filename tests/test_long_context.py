@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from loss import chunked_cross_entropy_sum, token_loss_sum
 from model import ModelArgs, block_causal_mask, document_positions
 from models import random_model
+from nn.loss import chunked_cross_entropy_sum, token_loss_sum
 
 EOT = 2
 ARGS = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_dim=96, max_seq_len=64)
@@ -133,8 +133,8 @@ def test_chunked_validation_loss_equals_the_full_logits_loss():
 
 def test_a_tokenizer_whose_eot_is_elsewhere_is_refused_with_the_fix(tmp_path):
     from config import check_tokenizer
-    from errors import SetupError
-    from tokenizer import train_tokenizer
+    from core.errors import SetupError
+    from data_pipeline.tokenizer import train_tokenizer
 
     path = str(tmp_path / "tokenizer.json")
     train_tokenizer(["some text to learn from"] * 5, 300, 10_000).save(path)  # [EOT] is id 2

@@ -20,17 +20,15 @@ import torch
 
 import data
 import evaluate
-import mixture
 import prepare
-import sources
-import tokenizer
-import trainer
-import validation
 from checkpoint import AppState
-from cli import to_toml
 from config import parse_config
+from core.cli import to_toml
+from core.errors import ConfigError, MissingPackageError
 from data import DataConfig, DataError, PackedCorpus, SourceConfig, StageConfig
-from errors import ConfigError, MissingPackageError
+from data_pipeline import mixture, sources, tokenizer
+from data_pipeline.loader import DataState, GlobalBatchLoader
+from evaluation import validation
 from launch import (
     DEBUG,
     ROOT,
@@ -43,7 +41,7 @@ from launch import (
     torchrun,
     torchrun_command,
 )
-from loader import DataState, GlobalBatchLoader
+from training import trainer
 
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-import distributed
 from launch import DEBUG, GRAD_STEPS, ROOT, kill_tree, losses, prepared_data_dir, spawn, wait_for_step
+from parallel import distributed
 
 FAST = ["--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000", "--train.val_interval", "0"]
 

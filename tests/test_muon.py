@@ -9,8 +9,8 @@ import torch
 
 from config import parse_config
 from launch import DEBUG, losses, torchrun
-from muon import is_muon_matrix
-from optim import lr_factor
+from optimization.muon import is_muon_matrix
+from optimization.optimizers import lr_factor
 
 RTOL = 1e-5
 

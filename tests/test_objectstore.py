@@ -12,15 +12,15 @@ import s3fs
 import torch
 
 import checkpoint as ckpt_lib
-import distributed
 import generate
 import hf
 import prepare
-import storage
 import train_fsdp
 from launch import DEBUG, REFERENCE_ARGS, losses, metrics, prepared_data_dir, spawn, torchrun_command, wait_for_step
 from model import PRESETS, ModelArgs, Transformer
+from parallel import distributed
 from s3server import Relay, start_server
+from storage import fs
 
 BUCKET = "tests"
 
@@ -92,12 +92,12 @@ def test_a_published_directory_prepared_otherwise_is_one_line_before_anything_st
 
 def test_storage_reads_writes_lists_and_removes_on_the_server(s3):
     root = f"s3://{BUCKET}/storage"
-    storage.write_bytes(storage.join(root, "a", "x.bin"), b"123")
-    assert storage.isfile(f"{root}/a/x.bin") and not storage.isfile(f"{root}/a")
-    assert storage.listdir(root) == ["a"] and storage.listdir(f"{root}/none") == []
-    assert storage.read_bytes(f"{root}/a/x.bin") == b"123"
-    storage.remove(f"{root}/a")
-    assert not storage.exists(f"{root}/a/x.bin")
+    fs.write_bytes(fs.join(root, "a", "x.bin"), b"123")
+    assert fs.isfile(f"{root}/a/x.bin") and not fs.isfile(f"{root}/a")
+    assert fs.listdir(root) == ["a"] and fs.listdir(f"{root}/none") == []
+    assert fs.read_bytes(f"{root}/a/x.bin") == b"123"
+    fs.remove(f"{root}/a")
+    assert not fs.exists(f"{root}/a/x.bin")
 
 
 def test_a_store_gone_for_a_moment_is_retried_with_backoff(s3, monkeypatch):
@@ -108,8 +108,8 @@ def test_a_store_gone_for_a_moment_is_retried_with_backoff(s3, monkeypatch):
         relay.down()
         threading.Timer(1.5, relay.up).start()
         started = time.monotonic()
-        storage.write_bytes(f"s3://{BUCKET}/retried/x", b"1")  # botocore retries until the relay is back
-        assert time.monotonic() - started >= 1.0 and storage.read_bytes(f"s3://{BUCKET}/retried/x") == b"1"
+        fs.write_bytes(f"s3://{BUCKET}/retried/x", b"1")  # botocore retries until the relay is back
+        assert time.monotonic() - started >= 1.0 and fs.read_bytes(f"s3://{BUCKET}/retried/x") == b"1"
     finally:
         relay.down()
         s3fs.S3FileSystem.clear_instance_cache()
@@ -123,7 +123,7 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
 
 def _store_steps(url: str) -> dict[str, bool]:
     """{step directory name: committed} under url."""
-    return {n: ckpt_lib.is_complete(storage.join(url, n)) for n in storage.listdir(url)}
+    return {n: ckpt_lib.is_complete(fs.join(url, n)) for n in fs.listdir(url)}
 
 
 @pytest.mark.slow
@@ -145,7 +145,7 @@ def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_lik
     for i in range(2):  # each node downloaded tokenizer.json and the token file once into its own cache
         node = tmp_path / f"node{i}"
         assert sorted(os.listdir(node / "data_cache" / "sources")) == [os.path.basename(f) for f in
-                                                                      storage.listdir(f"{published}/sources")]
+                                                                      fs.listdir(f"{published}/sources")]
         assert not os.path.exists(node / "checkpoints") and not os.path.exists(node / "data")
         log = (tmp_path / f"node{i}.log").read_text()
         assert log.count("[data] downloading") == 2, log[-3000:]

@@ -7,14 +7,14 @@ import signal
 import pytest
 import torch
 
-import cli
-import distributed
-import profiling
 from config import compute_dtype, parse_config
-from errors import ConfigError
+from core import cli
+from core.errors import ConfigError
 from launch import DEBUG, ROOT, debug_run, metrics, prepared_data_dir, torchrun
-from metrics import MetricsLog
-from progress import Progress
+from observability import profiling
+from observability.metrics import MetricsLog
+from observability.progress import Progress
+from parallel import distributed
 from wandb_files import by_step, offline_runs, rewound_history
 
 FAST = ["--train.val_interval", "0", "--train.seed", "0"]

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from model import ModelArgs, Transformer
-from optim import OptimConfig, build_optimizer, reapply_schedule
+from optimization.optimizers import OptimConfig, build_optimizer, reapply_schedule
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=16)
 LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import trainer
 from config import parse_config
 from data import PackedCorpus
+from data_pipeline.loader import GlobalBatchLoader
 from launch import (
     DEBUG,
     kill_tree,
@@ -27,10 +27,10 @@ from launch import (
     torchrun_command,
     wait_for_step,
 )
-from loader import GlobalBatchLoader
-from loss import chunked_cross_entropy_sum, token_loss_sums
 from model import PRESETS, ModelArgs, Transformer
-from optim import OptimConfig, build_optimizer, lr_factor
+from nn.loss import chunked_cross_entropy_sum, token_loss_sums
+from optimization.optimizers import OptimConfig, build_optimizer, lr_factor
+from training import trainer
 
 Z = 0.01  # 100x PaLM's 1e-4, so that the z term's gradient is far above fp32 noise
 

@@ -2,9 +2,9 @@
 import ast
 import os
 
-from rundir import RunDir
+from project import ROOT, modules
+from storage.rundir import RunDir
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The run directory's own entries. The files inside a prepared data directory (tokenizer.json,
 # meta.json, token files) are that directory's layout, which prepare.py owns.
 FILES = {"metrics.jsonl", "config.toml", ".lock", "exit.json", "wandb_run_id"}
@@ -24,8 +24,8 @@ def test_the_layout_is_the_documented_one(tmp_path):
 
 def test_no_module_spells_a_run_directory_path_of_its_own():
     found = []
-    for f in sorted(os.listdir(ROOT)):
-        if not f.endswith(".py") or f == "rundir.py":
+    for f in modules().values():
+        if f == "storage/rundir.py":
             continue
         for node in ast.walk(ast.parse(open(os.path.join(ROOT, f)).read())):
             joined = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"

@@ -4,12 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
-import trainer
-import validation
 from config import parse_config
 from data import PackedCorpus
+from evaluation import validation
 from launch import DEBUG, prepared_data_dir
 from model import Transformer
+from training import trainer
 
 
 @pytest.mark.parametrize("n", [1, 7, 10, 33])

@@ -6,12 +6,12 @@ import sys
 import pytest
 
 import train_fsdp
-import wandblog
 from config import parse_config
-from errors import ConfigError, SetupError
+from core.errors import ConfigError, SetupError
 from launch import DEBUG, refused
-from metrics import MetricsConfig, MetricsLog
-from rundir import RunDir
+from observability import wandblog
+from observability.metrics import MetricsConfig, MetricsLog
+from storage.rundir import RunDir
 from wandb_files import by_step, offline_runs, rewound_history
 
 wandb = pytest.importorskip("wandb")

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from metrics import scalars
-from rundir import RunDir
+from observability.metrics import scalars
+from storage.rundir import RunDir
 
 
 def offline_runs(run_dir) -> list[tuple[dict, list[dict]]]:

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from errors import SetupError, require
+from core.errors import SetupError, require
 
 RECIPES = ("tensorwise", "rowwise")
 EXCLUDED = ("output",)

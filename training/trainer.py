@@ -20,10 +20,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-import cli
-import datacache
-import distributed
-import float8
 import hf
 from checkpoint import (
     AppState,
@@ -36,22 +32,25 @@ from checkpoint import (
     saved_config,
 )
 from config import Config, check_tokenizer, compute_dtype, parse_config, validate
-from context_parallel import shard_batch
+from core import cli
+from core.errors import PeerError, SetupError, TrainingError, UserError, report
 from data import PackedCorpus, mixture_note
-from downstream import Task, evaluate_tasks, load_tasks
-from errors import PeerError, SetupError, TrainingError, UserError, report
-from loader import DataState, GlobalBatchLoader
-from loss import applied_chunk_size, has_tp, loss_context, token_loss_sums
-from metrics import MetricsLog, device_peak_flops, peak_memory_gib
+from data_pipeline import datacache
+from data_pipeline.loader import DataState, GlobalBatchLoader
+from evaluation.downstream import Task, evaluate_tasks, load_tasks
+from evaluation.validation import loss_sum_and_count, val_batches, val_record
 from model import Transformer, flops_per_token, num_params
-from optim import build_optimizer
-from parallelize import TPPlan, build_mesh, build_model, copy_sharded, dp_mesh, loss_mesh, shard_group_note
+from nn.loss import applied_chunk_size, has_tp, loss_context, token_loss_sums
+from observability.metrics import MetricsLog, device_peak_flops, peak_memory_gib
+from observability.profiling import StepProfiler, parse_steps
+from observability.progress import Progress
+from optimization.optimizers import build_optimizer
+from optimization.spike import push, spike_reason
+from parallel import distributed, float8
+from parallel.context_parallel import shard_batch
+from parallel.parallelize import TPPlan, build_mesh, build_model, copy_sharded, dp_mesh, loss_mesh, shard_group_note
 from prepare import prepare_on_all_ranks
-from profiling import StepProfiler, parse_steps
-from progress import Progress
-from rundir import RunDir
-from spike import push, spike_reason
-from validation import loss_sum_and_count, val_batches, val_record
+from storage.rundir import RunDir
 
 # ---------------------------------------------------------------- the step
 
@@ -486,7 +485,7 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
     if check_layout is not None:
         check_layout(cfg, world_size)
     if cfg.init_from_hf:
-        from errors import require
+        from core.errors import require
         require("safetensors", "hf", "--init_from_hf")
         try:
             hf.check_args(cfg.init_from_hf, cfg.model)

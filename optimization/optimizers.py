@@ -18,8 +18,8 @@ from typing import Literal
 
 import torch
 
-from errors import ConfigError
-from muon import MuonAdamW, is_muon_matrix
+from core.errors import ConfigError
+from optimization.muon import MuonAdamW, is_muon_matrix
 
 
 @dataclasses.dataclass

@@ -17,11 +17,11 @@ import string
 import sys
 from typing import TYPE_CHECKING
 
-from errors import SetupError, one_line, require
-from rundir import RunDir
+from core.errors import SetupError, one_line, require
+from storage.rundir import RunDir
 
 if TYPE_CHECKING:
-    from metrics import MetricsConfig
+    from observability.metrics import MetricsConfig
 
 
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")

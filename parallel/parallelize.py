@@ -24,10 +24,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-import float8
-from context_parallel import apply_ulysses
-from errors import ConfigError, SetupError
+from core.errors import ConfigError, SetupError
 from model import ModelArgs, Transformer
+from parallel import float8
+from parallel.context_parallel import apply_ulysses
 
 TPPlan = dict[str, ParallelStyle]
 """A tensor-parallel plan: module name pattern (e.g. 'layers.*.attention.wq') -> its style."""

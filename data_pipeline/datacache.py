@@ -19,9 +19,9 @@ import hashlib
 import json
 import os
 
-import storage
 from data import DataConfig, DataError, read_meta
-from rundir import RunDir
+from storage import fs
+from storage.rundir import RunDir
 
 CACHE_LOCK = ".cache.lock"
 """In the cache: the lock its node's ranks take in turn."""
@@ -51,7 +51,7 @@ def remote_meta(cfg: DataConfig) -> dict:
     """
     where = cfg.prepared
     try:
-        meta = json.loads(storage.read_bytes(storage.join(where, "meta.json")))
+        meta = json.loads(fs.read_bytes(fs.join(where, "meta.json")))
     except FileNotFoundError:
         raise DataError(f"--data.prepared {where}: no meta.json there; publish a prepared directory with "
                         f"prepare.py --data.prepared {where}, or fix the path") from None
@@ -103,10 +103,10 @@ def _fetch(cfg: DataConfig, folder: str, rel: str, size: int | None, sha: str | 
     if os.path.isfile(local) and checks(local):
         return
     os.makedirs(os.path.dirname(local), exist_ok=True)
-    remote = storage.join(cfg.prepared, rel)
+    remote = fs.join(cfg.prepared, rel)
     print(f"[data] downloading {remote} -> {local}", flush=True)
     try:
-        storage.download(remote, local)
+        fs.download(remote, local)
     except (OSError, FileNotFoundError) as e:
         raise DataError(f"--data.prepared: cannot download {remote} ({type(e).__name__}: {e})") from None
     if not checks(local):
@@ -123,7 +123,7 @@ def fetch(cfg: DataConfig, folder: str) -> tuple[str, dict]:
     tokenizer.json, plus "n_tokens" and "n_documents" of cfg's sources. Raises
     DataError (see remote_meta, and for a file that cannot be downloaded or does not check out).
     """
-    if not storage.is_url(cfg.prepared):  # a local (or shared) directory is read where it is
+    if not fs.is_url(cfg.prepared):  # a local (or shared) directory is read where it is
         folder = cfg.prepared
         meta = remote_meta(cfg)
     else:
@@ -154,7 +154,7 @@ def fetch(cfg: DataConfig, folder: str) -> tuple[str, dict]:
 def tokenizer_path(cfg: DataConfig, run_dir: str) -> str:
     """A local tokenizer.json of data.prepared (downloaded into the node's cache if needed), for commands
     that read a finished run. Raises DataError when it cannot be found or downloaded."""
-    if not storage.is_url(cfg.prepared):
+    if not fs.is_url(cfg.prepared):
         return os.path.join(cfg.prepared, "tokenizer.json")
     folder = cache_dir(cfg, run_dir)
     os.makedirs(folder, exist_ok=True)
@@ -172,12 +172,12 @@ def publish(out_dir: str, url: str) -> None:
     meta = read_meta(out_dir)
     files = ["tokenizer.json", *(r["file"] for r in meta["sources"].values()), "meta.json"]
     for rel in files:
-        local, remote = os.path.join(out_dir, rel), storage.join(url, rel)
+        local, remote = os.path.join(out_dir, rel), fs.join(url, rel)
         try:
-            if rel != "meta.json" and storage.isfile(remote) and \
-                    storage.size(remote) == os.path.getsize(local):
+            if rel != "meta.json" and fs.isfile(remote) and \
+                    fs.size(remote) == os.path.getsize(local):
                 continue
-            storage.upload(local, remote)
+            fs.upload(local, remote)
         except OSError as e:
             raise DataError(f"--data.prepared {url}: uploading {rel} failed ({type(e).__name__}: {e})") from None
         print(f"[data] uploaded {local} -> {remote}", flush=True)

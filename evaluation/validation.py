@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from context_parallel import cp_size, shard_batch
 from data import PackedCorpus
-from loss import applied_chunk_size, loss_context, scalar, token_loss_sum
+from nn.loss import applied_chunk_size, loss_context, scalar, token_loss_sum
+from parallel.context_parallel import cp_size, shard_batch
 
 
 def rank_share(n: int, rank: int, world: int) -> tuple[int, int]:

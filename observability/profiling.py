@@ -12,8 +12,8 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from errors import ConfigError
-from rundir import RunDir
+from core.errors import ConfigError
+from storage.rundir import RunDir
 
 
 def parse_steps(text: str) -> tuple[int, int] | None:

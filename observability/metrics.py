@@ -10,9 +10,9 @@ from typing import Callable
 
 import torch
 
-from errors import ConfigError, require
-from rundir import RunDir
-from wandblog import WandbLog, check_wandb
+from core.errors import ConfigError, require
+from observability.wandblog import WandbLog, check_wandb
+from storage.rundir import RunDir
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from errors import UserError, one_line, require
+from core.errors import UserError, one_line, require
 
 S3_RETRIES = {"mode": "standard", "max_attempts": 10}
 """botocore's retry settings for s3:// (about 20 s of backoff before a store counts as down)."""

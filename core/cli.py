@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import tomllib
 
-from errors import ConfigError
+from core.errors import ConfigError
 
 
 class ArgumentParser(argparse.ArgumentParser):

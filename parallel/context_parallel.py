@@ -31,7 +31,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from errors import SetupError
+from core.errors import SetupError
 from model import SequenceLayout, Transformer, attention, slice_layout
 
 

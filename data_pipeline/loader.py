@@ -14,8 +14,8 @@ import dataclasses
 import numpy as np
 import torch
 
-import mixture
 from data import DEFAULT_SOURCE, DataError, PackedCorpus
+from data_pipeline import mixture
 
 
 @dataclasses.dataclass

@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from core.errors import ConfigError
 from data import DataError
-from errors import ConfigError
-from loss import has_tp, loss_context, token_logprobs
-from tokenizer import EOT, encode_plain, load_tokenizer
-from validation import rank_share, reshard
+from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer
+from evaluation.validation import rank_share, reshard
+from nn.loss import has_tp, loss_context, token_logprobs
 
 
 @dataclasses.dataclass

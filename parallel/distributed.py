@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 
-from errors import SetupError, UserError
+from core.errors import SetupError, UserError
 
 STARTUP_TIMEOUT = datetime.timedelta(minutes=30)
 """Timeout of every collective until the loop's first step is done (loading, compiling); then

@@ -17,9 +17,9 @@ import os
 import sysconfig
 from typing import Callable, Iterator
 
+from core.errors import require
 from data import DataConfig, DataError, SourceConfig
-from errors import require
-from filesplit import (
+from data_pipeline.filesplit import (
     COMPRESSED,
     KINDS,
     check_column,
