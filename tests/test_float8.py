@@ -18,7 +18,7 @@ import hf  # noqa: E402
 import train_2d  # noqa: E402
 import train_fsdp  # noqa: E402
 from checkpoint import complete_checkpoints, read_model_weights  # noqa: E402
-from core import cli  # noqa: E402
+from core import cli, errors  # noqa: E402
 from launch import DEBUG, REFERENCE_ARGS, debug_run, losses, metrics, prepared_data_dir, refused  # noqa: E402
 from model import PRESETS, ModelArgs, Transformer  # noqa: E402
 from parallel import (
@@ -51,6 +51,28 @@ def test_float8_without_torchao_names_the_extra(tmp_path, monkeypatch, capsys):
     line = refused(train_fsdp.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *F8], capsys)
     assert line == ("error: train.float8 needs the Python package 'torchao', which is not installed: "
                     "pip install -e \".[float8]\"")
+
+
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_float8_on_a_cpu_trains_with_one_notice_that_it_only_emulates(recipe, monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    float8.check(recipe, CPU, 1)  # not refused
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith(f"[train] notice: train.float8 {recipe} on a CPU only emulates"), out
+    assert "no speed-up" in out[0]
+    monkeypatch.setenv("RANK", "1")  # rank 0 alone prints it
+    float8.check(recipe, CPU, 1)
+    float8.check("off", CPU, 1)
+    assert capsys.readouterr().out == ""
+
+
+def test_float8_on_a_gpu_below_compute_capability_8_9_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(errors.SetupError, match=r"train.float8 tensorwise needs float8 matmuls .* NVIDIA A100 "
+                                                r"has \(8, 0\); use --train.float8 off"):
+        float8.check("tensorwise", torch.device("cuda", 0), 1)
+    assert float8.cpu_notice("tensorwise", torch.device("cuda", 0)) == ""
 
 
 def _build(args: ModelArgs, recipe: str, compile: bool = False):
