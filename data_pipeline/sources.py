@@ -142,16 +142,13 @@ def source_units(cfg: SourceConfig) -> list[Callable[[], Iterator[str]]]:
     return [functools.partial(_texts, cfg, lambda i=i: rows.shard(n, i)) for i in range(n)]
 
 
-BIG_DOCUMENT_BYTES = 1 << 20
-"""A .txt file this large read whole as one document (txt_documents "file") earns a notice, when the source has few."""
-FEW_FILES = 8
-
-
 def txt_notice(cfg: SourceConfig) -> str:
-    """One line for rank 0 when txt_documents "file" makes a few big .txt files a few documents, else ''.
+    """One line for rank 0 saying how a local text source read with txt_documents "file" splits, else ''.
 
-    Several MiB of text as one document is rarely meant (e.g. WikiText's one file); the line
-    names the file and the fields that split it. Files that cannot be listed give ''.
+    Every such .txt file (any size, compressed or not) is one document, which is rarely what a
+    single file means (e.g. WikiText's one file, or a small test file); the line names the
+    file(s), the field and its other values. Sources read otherwise, stdlib, hub datasets and
+    files that cannot be listed give ''.
     """
     if cfg.txt_documents != "file" or cfg.dataset == "stdlib" or not _looks_local(cfg.dataset):
         return ""
@@ -159,13 +156,21 @@ def txt_notice(cfg: SourceConfig) -> str:
         files = _local_files(os.path.expanduser(cfg.dataset), cfg.field("dataset"))
     except DataError:
         return ""
-    big = [f for f in files if KINDS.get(file_kind(f)[0]) == "text" and os.path.getsize(f) >= BIG_DOCUMENT_BYTES]
-    if not big or len(files) > FEW_FILES:
+    texts = [f for f in files if KINDS.get(file_kind(f)[0]) == "text"]
+    if not texts:
         return ""
-    what = (f"'{big[0]}' ({os.path.getsize(big[0]) / 2 ** 20:,.1f} MiB) as one document" if len(big) == 1 else
-            f"{len(big)} text files of {BIG_DOCUMENT_BYTES >> 20} MiB or more as one document each")
-    return (f"source '{cfg.name}' reads {what} ({cfg.field('txt_documents')} = \"file\"); set "
-            f"{cfg.field('txt_documents')} = \"blank_line\" (paragraphs) or \"line\" to split it into documents")
+    what = (f"'{texts[0]}' ({_size(os.path.getsize(texts[0]))}) as one document" if len(texts) == 1 else
+            f"each of its {len(texts):,} text files as one document")
+    field = cfg.field("txt_documents")
+    return (f"source '{cfg.name}' reads {what} ({field} = \"file\"); set {field} = \"blank_line\" (paragraphs) "
+            f"or \"line\" to split {'it' if len(texts) == 1 else 'them'} into documents")
+
+
+def _size(n: int) -> str:
+    """A file size for a message: bytes under 1 KiB, KiB under 1 MiB, else MiB (one decimal)."""
+    if n < 1 << 10:
+        return f"{n:,} bytes"
+    return f"{n / 2 ** 10:,.1f} KiB" if n < 1 << 20 else f"{n / 2 ** 20:,.1f} MiB"
 
 
 def _file_groups(files: list[str], errors: str) -> list[Callable[[], Iterator[str]]]:

@@ -373,7 +373,7 @@ def test_whitespace_only_lines_separate_paragraphs_and_a_big_txt_document_is_not
         " As with previous games . \n"]
     big = tmp_path / "big" / "train.txt"
     big.parent.mkdir()
-    big.write_text((wiki * 12000)[:sources.BIG_DOCUMENT_BYTES + 10])
+    big.write_text((wiki * 12000)[:2 ** 20 + 10])
     tokenizer.train_tokenizer([wiki], 300, 10 ** 6).save(str(tmp_path / "tok.json"))
     prepare.prepare(DataConfig(dataset=str(big), tokenizer=str(tmp_path / "tok.json")), str(tmp_path / "out"))
     notices = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[data] notice:")]
@@ -383,6 +383,29 @@ def test_whitespace_only_lines_separate_paragraphs_and_a_big_txt_document_is_not
     prepare.prepare(DataConfig(dataset=str(big), tokenizer=str(tmp_path / "tok.json"), txt_documents="line"),
                     str(tmp_path / "out2"))
     assert "notice" not in capsys.readouterr().out
+
+
+def test_a_small_txt_file_read_whole_is_noticed_with_the_field_that_splits_it(tmp_path, capsys):
+    # A few hundred bytes, far under the 1 MiB that once earned the notice: one document all the same.
+    text = "First paragraph, line one.\nLine two.\n\nSecond paragraph.\n"
+    (tmp_path / "small.txt").write_text(text)
+    tokenizer.train_tokenizer([text], 300, 10 ** 6).save(str(tmp_path / "tok.json"))
+    prepare.prepare(DataConfig(dataset=str(tmp_path / "small.txt"), tokenizer=str(tmp_path / "tok.json")),
+                    str(tmp_path / "out"))
+    notices = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[data] notice:")]
+    assert notices == [f"[data] notice: source 'default' reads '{tmp_path / 'small.txt'}' ({len(text)} bytes) as one "
+                       f"document (data.txt_documents = \"file\"); set data.txt_documents = \"blank_line\" "
+                       f"(paragraphs) or \"line\" to split it into documents"]
+    # A folder of text files: one line for the source, naming how many.
+    (tmp_path / "many").mkdir()
+    for i in range(3):
+        (tmp_path / "many" / f"{i}.txt").write_text(text)
+    prepare.prepare(DataConfig(dataset=str(tmp_path / "many"), tokenizer=str(tmp_path / "tok.json")),
+                    str(tmp_path / "out2"))
+    notices = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[data] notice:")]
+    assert notices == ["[data] notice: source 'default' reads each of its 3 text files as one document "
+                       "(data.txt_documents = \"file\"); set data.txt_documents = \"blank_line\" (paragraphs) or "
+                       "\"line\" to split them into documents"]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt"])
