@@ -10,7 +10,7 @@ so with torchrun's node-by-node rank order a TP group stays inside one node (che
 LOCAL_WORLD_SIZE). Each block is split by the plan below (Megatron-style column/row-parallel
 linears, sequence-parallel norms and residual stream), then parallelize.py shards the result
 with ``fully_shard`` on the data-parallel sub-mesh,
-and trainer.py runs the same loop as train_fsdp.py (with ``loss_parallel`` on the
+and training/ runs the same loop as train_fsdp.py (with ``loss_parallel`` on the
 vocabulary-sharded logits); checkpoints hold the same keys as train_fsdp.py's and load
 into either.
 
@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from config import Config
 from core.errors import SetupError
-from training import trainer
+from training import command
 
 # Between blocks the residual stream is sharded on the sequence (Shard(1), a plain local
 # tensor of shape (batch, seq / tp, dim)); the norms run on that shard and their weights
@@ -85,7 +85,7 @@ def check_tp_layout(cfg: Config, world_size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Train with PLAN inside each TP group and FSDP2 across; exit status 0, or 2 with one line on bad input."""
-    return trainer.main(argv, tp_plan=PLAN, check_layout=check_tp_layout, description=__doc__)
+    return command.main(argv, tp_plan=PLAN, check_layout=check_tp_layout, description=__doc__)
 
 
 if __name__ == "__main__":

@@ -10,18 +10,18 @@ the gradients' all-reduce crosses nodes. With --parallel.cp C each sequence is s
 ranks (Ulysses attention, context_parallel.py) and FSDP shards over the data-parallel and CP
 ranks together (docs/long_context.md). Running the same command again
 resumes from the newest complete checkpoint in DIR/checkpoints, at any world size.
-`--help` lists every config field. The loop itself is trainer.py's.
+`--help` lists every config field. The loop itself is in training/ (loop.py; the step is step.py).
 """
 from __future__ import annotations
 
 import sys
 
-from training import trainer
+from training import command
 
 
 def main(argv: list[str] | None = None) -> int:
     """Train with FSDP2 only; exit status 0, or 2 with one line 'error: ...' on bad input."""
-    return trainer.main(argv, description=__doc__)
+    return command.main(argv, description=__doc__)
 
 
 if __name__ == "__main__":

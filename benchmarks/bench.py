@@ -57,7 +57,7 @@ from evaluation import validation  # noqa: E402
 from observability import metrics  # noqa: E402
 from optimization import optimizers  # noqa: E402
 from parallel import distributed, parallelize  # noqa: E402
-from training import trainer  # noqa: E402
+from training.step import build_trainable, optimizer_step, train_step  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -105,7 +105,7 @@ def load_model_source(src: str):
 
 
 class OursStep:
-    """The trainer's own step (trainer.train_step) on the FSDP2-sharded model of trainer.build_trainable.
+    """The trainer's own step (train_step) on the FSDP2-sharded model of build_trainable.
 
     src: a directory whose model.py's Transformer is timed instead of this checkout's; it is
     parallelized, initialised and stepped by this checkout's parallelize and trainer."""
@@ -121,11 +121,11 @@ class OursStep:
             parallelize.parallelize(model, mesh, cfg.parallel, dtype=config_lib.compute_dtype(t, device),
                                     activation_checkpointing=t.activation_checkpointing, compile=t.compile)
             parallelize.materialize(model, device, t.seed, cfg.parallel.cpu_offload)
-        self.trainable = trainer.build_trainable(cfg, dist.get_rank(), mesh, device, model=model)
+        self.trainable = build_trainable(cfg, dist.get_rank(), mesh, device, model=model)
         self.model, self.optimizer = self.trainable.model, self.trainable.optimizer
 
     def step(self, micro_batches, after_backward=None):
-        trainer.train_step(self.trainable, micro_batches, after_backward)
+        train_step(self.trainable, micro_batches, after_backward)
 
     def forward_only(self, micro_batches):
         vs = validation.ValSet("bench", micro_batches, 0, len(micro_batches))
@@ -164,7 +164,7 @@ class HFStep(OursStep):
             (loss / self.n_targets).backward()
         if after_backward is not None:
             after_backward(self.model)
-        trainer.optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
+        optimizer_step(self.model, self.optimizer, self.cfg.optim.grad_clip, self.device)
         self.scheduler.step()
 
     @torch.no_grad()

@@ -34,7 +34,7 @@ from parallel import (
     parallelize,  # noqa: E402
 )
 from storage import fs  # noqa: E402
-from training import trainer  # noqa: E402
+from training.step import build_trainable, train_step  # noqa: E402
 
 
 def _dir_bytes(path: str) -> int:
@@ -85,10 +85,10 @@ def main() -> None:
     cfg = config.parse_config(argv, description=__doc__)
     rank, world, device = distributed.init_distributed(cfg.train.device)
     mesh = parallelize.build_mesh(device, world)
-    tr = trainer.build_trainable(cfg, rank, mesh, device)
+    tr = build_trainable(cfg, rank, mesh, device)
     # One synthetic step of the trainer's own so the optimizer state exists and is written.
     tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.data.seq_len + 1), device=device)
-    trainer.train_step(tr, [inputs_labels(tokens)])
+    train_step(tr, [inputs_labels(tokens)])
     app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, DataState(), rank)
     targets = [os.path.join(cfg.run_dir, "bench_ckpt"), *urls]
     gloo = dist.new_group(backend="gloo")

@@ -3,7 +3,7 @@
     python benchmarks/cp_bench.py --cps 1,2,4 --seq_len 8192 --steps 3 [--config ... --section.field value ...]
 
 For each cp the driver launches `torchrun --nproc_per_node=cp` of this file (one CP group, dp 1),
-which builds the run as the trainer does (trainer.build_trainable on parallelize.build_mesh with
+which builds the run as the trainer does (build_trainable on parallelize.build_mesh with
 cp), then on one synthetic sequence of seq_len tokens (one global batch, the same on every rank):
 
 - step peak MiB: the profiler's peak of allocated CPU memory during one training step, above
@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import config as config_lib  # noqa: E402
 from parallel import context_parallel, distributed, parallelize  # noqa: E402
-from training import trainer  # noqa: E402
+from training.step import build_trainable, train_step  # noqa: E402
 
 MIB = 2 ** 20
 DEFAULTS = ["--config", os.path.join(ROOT, "configs", "debug.toml"), "--model.n_kv_heads", "4",
@@ -50,10 +50,10 @@ def step_peak_bytes(s, batch) -> int:
     if s.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(s.device)
         start = torch.cuda.memory_allocated(s.device)
-        trainer.train_step(s, batch)
+        train_step(s, batch)
         return torch.cuda.max_memory_allocated(s.device) - start
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        trainer.train_step(s, batch)
+        train_step(s, batch)
     running = peak = 0
     for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns()):
@@ -77,7 +77,7 @@ def saved_bytes(s, batch) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.train_step(s, batch)
+        train_step(s, batch)
     return sum(seen.values())
 
 
@@ -86,7 +86,7 @@ def worker(args, rest) -> None:
                                    str(max(args.seq_len, 512)), "--parallel.cp", str(args.cp), *rest])
     rank, world, device = distributed.init_distributed(cfg.train.device)
     mesh = parallelize.build_mesh(device, world, 1, 1, cfg.parallel.cp)
-    s = trainer.build_trainable(cfg, rank, mesh, device)
+    s = build_trainable(cfg, rank, mesh, device)
     gen = torch.Generator().manual_seed(0)  # the same sequence on every rank: one CP group's global batch
     window = torch.randint(3, cfg.model.vocab_size, (1, args.seq_len + 1), generator=gen)
     batch = [(window[:, :-1], window[:, 1:])]
@@ -98,7 +98,7 @@ def worker(args, rest) -> None:
         calls.append(x.numel())
         return inner(x, *a, **k)
 
-    trainer.train_step(s, batch)  # warm-up
+    train_step(s, batch)  # warm-up
     context_parallel.funcol.all_to_all_single_autograd = counting
     with torch.no_grad():
         inputs, labels, layout = context_parallel.shard_batch(s.model, window[:, :-1], window[:, 1:], mesh)
@@ -108,7 +108,7 @@ def worker(args, rest) -> None:
     for _ in range(args.steps):
         dist.barrier()
         t = time.perf_counter()
-        trainer.train_step(s, batch)
+        train_step(s, batch)
         dist.barrier()
         times.append(time.perf_counter() - t)
     peak = step_peak_bytes(s, batch)

@@ -6,7 +6,7 @@
 --run_dir: a prepared run directory (its data/tokenizer.json tokenizes the task). The task
 is synthetic, shaped like HellaSwag: a 40-word context and 4 choices of 8 to 20 words, from
 the standard library's text. Times (wall, medians of --repeats after one warm-up) one
-training step of the run's global batch (trainer.train_step on random tokens) and one
+training step of the run's global batch (train_step on random tokens) and one
 downstream.evaluate_tasks over the examples, sharded as in the loop, in turn, and prints from
 rank 0 their ratio and the share of training time it takes at eval.interval 50, 200 and 1000.
 """
@@ -31,7 +31,7 @@ from parallel import (
     parallelize,  # noqa: E402
 )
 from storage.rundir import RunDir  # noqa: E402
-from training import trainer  # noqa: E402
+from training.step import build_trainable, train_step  # noqa: E402
 
 
 def _flag(argv: list[str], name: str, default: int) -> int:
@@ -67,7 +67,7 @@ def main() -> None:
     rank, world, device = distributed.init_distributed(cfg.train.device)
     mesh = parallelize.build_mesh(device, world)
     dp = parallelize.dp_mesh(mesh)
-    tr = trainer.build_trainable(cfg, rank, mesh, device)
+    tr = build_trainable(cfg, rank, mesh, device)
     micro = cfg.train.micro_batch(dp.size())
     accum = cfg.train.global_batch_size // (micro * dp.size())
     batch = [inputs_labels(torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len + 1)))] * accum
@@ -80,7 +80,7 @@ def main() -> None:
                                   micro * cfg.data.seq_len)
 
     # Interleaved, one warm-up of each first: a busy spell of the machine slows both alike.
-    times = [(_timed(lambda: trainer.train_step(tr, batch)), _timed(score)) for _ in range(repeats + 1)][1:]
+    times = [(_timed(lambda: train_step(tr, batch)), _timed(score)) for _ in range(repeats + 1)][1:]
     step, scoring = (statistics.median(t[i] for t in times) for i in (0, 1))
     if rank == 0:
         tokens = sum(len(r.tokens) for r in tasks[0].requests)

@@ -49,7 +49,7 @@ from core.errors import one_line  # noqa: E402
 from model import PRESETS, ModelArgs, block_causal_mask, block_mask  # noqa: E402
 from nn.loss import token_loss_sum  # noqa: E402
 from parallel import distributed, parallelize  # noqa: E402
-from training import trainer  # noqa: E402
+from training.step import forward_backward  # noqa: E402
 
 CHUNK = 4096
 
@@ -77,7 +77,7 @@ def _step_loss(cfg_model: ModelArgs, dtype: str, mesh, device, tokens, chunk: in
     """Mean token loss of one forward/backward (no update) of a fresh model from seed 0."""
     model = parallelize.build_model(cfg_model, mesh, device, 0, parallelize.ParallelConfig(), dtype=dtype)
     n = tokens[:, 1:].numel()
-    loss, _ = trainer.forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], n, 1, device, mesh, chunk)
+    loss, _ = forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], n, 1, device, mesh, chunk)
     return loss.item() / n
 
 

@@ -1,6 +1,6 @@
 """gpu_check.py's speed table: llama3_1b compiled on one GPU, per sequence length x precision x loss.
 
-Every row is the trainer's own step (trainer.build_trainable, trainer.train_step: forward,
+Every row is the trainer's own step (build_trainable, train_step: forward,
 backward, clipping, AdamW, schedule) on random tokens, timed after warm-up steps (compilation)
 as the median of --steps steps, with torch.cuda.max_memory_allocated over the timed steps.
 MFU is against the GPU's data-sheet dense bf16 peak, for float8 rows too (the convention of
@@ -16,7 +16,7 @@ import torch
 
 from config import parse_config
 from model import flops_per_token
-from training import trainer
+from training.step import build_trainable, train_step
 
 SEQ_LENS = (2048, 8192)
 PRECISIONS = ("bf16", "tensorwise", "rowwise")
@@ -63,12 +63,12 @@ def _overrides(s: Setting, micro: int) -> list[str]:
 def run_row(s: Setting, micro: int, steps: int, mesh, device) -> dict:
     """One row: build, 3 warm-up steps, `steps` timed steps; returns its figures."""
     cfg = parse_config(_overrides(s, micro))
-    tr = trainer.build_trainable(cfg, 0, mesh, device)
+    tr = build_trainable(cfg, 0, mesh, device)
     gen = torch.Generator(device=device).manual_seed(0)
 
     def step():
         tokens = torch.randint(0, cfg.model.vocab_size, (micro, s.seq_len + 1), device=device, generator=gen)
-        trainer.train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
+        train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
 
     for _ in range(3):
         step()

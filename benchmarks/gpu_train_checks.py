@@ -1,8 +1,8 @@
 """gpu_check.py's checks of whole training steps on CUDA: context parallelism, CPU offload, float8 against bf16, the
 memory snapshot.
 
-Each builds small runs with the trainer's own code (config overrides -> trainer.build_trainable
--> trainer.train_step) on random tokens and returns (ok, one line of figures); the cp check runs train_fsdp.py
+Each builds small runs with the trainer's own code (config overrides -> build_trainable
+-> train_step) on random tokens and returns (ok, one line of figures); the cp check runs train_fsdp.py
 under torchrun, as a user would.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from config import parse_config
 from observability.profiling import StepProfiler
 from parallel import float8
 from storage.rundir import RunDir
-from training import trainer
+from training.step import Trainable, build_trainable, train_step
 
 DEBUG = ["--model.preset", "debug", "--data.seq_len", "128", "--train.global_batch_size", "8"]
 # A shape float8 is built for (dims multiples of 16, matmuls large enough to matter), small enough to build in seconds.
@@ -59,16 +59,16 @@ def check_cp() -> tuple[bool, str]:
     return rel <= 1e-4 and len(runs["cp2"]) == 4, f"losses cp 2 vs 1 GPU, 4 steps: max relative difference {rel:.1e}"
 
 
-def _steps(overrides: list[str], mesh, device, n: int) -> tuple[list[float], list[float], trainer.Trainable]:
+def _steps(overrides: list[str], mesh, device, n: int) -> tuple[list[float], list[float], Trainable]:
     """(losses, pre-clip gradient norms, the Trainable) of n trainer steps on one fixed random batch."""
     cfg = parse_config([*overrides, "--train.steps", "100", "--optim.warmup_steps", "1"])
-    tr = trainer.build_trainable(cfg, 0, mesh, device)
+    tr = build_trainable(cfg, 0, mesh, device)
     m, t = cfg.model, cfg.data.seq_len
     tokens = torch.randint(0, m.vocab_size, (cfg.train.global_batch_size, t + 1),
                            generator=torch.Generator().manual_seed(0)).to(device)
     losses, norms = [], []
     for _ in range(n):
-        r = trainer.train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
+        r = train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
         losses.append(r.global_loss(dist.group.WORLD))
         norms.append(r.grad_norm.item())
     return losses, norms, tr
@@ -115,12 +115,12 @@ def check_snapshot(device, mesh) -> tuple[bool, str]:
     from torch.cuda import _memory_viz
 
     cfg = parse_config([*DEBUG, "--train.dtype", "bfloat16", "--train.steps", "10"])
-    tr = trainer.build_trainable(cfg, 0, mesh, device)
+    tr = build_trainable(cfg, 0, mesh, device)
     tokens = torch.randint(0, cfg.model.vocab_size, (8, 129), device=device)
     with tempfile.TemporaryDirectory() as run_dir:
         prof = StepProfiler((1, 1), run_dir, device, True)  # the loop's profiler, as --train.profile_steps 1-1
         prof.before_step(1)
-        trainer.train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
+        train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
         trace = prof.after_step(1)
         path = os.path.join(RunDir(run_dir).profile, "memory_steps_1-1.pickle")
         with open(path, "rb") as f:

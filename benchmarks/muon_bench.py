@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node=2 benchmarks/muon_bench.py [--batches 16,128] [--steps 6]
 
 The debug model (configs/debug.toml) under FSDP2; for each global batch (x seq 128) both
-optimizers alternate step by step on random tokens (trainer.train_step, the loop's own step),
+optimizers alternate step by step on random tokens (train_step, the loop's own step),
 the first 2 steps of each are warm-up. Rank 0 prints a markdown table.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from config import parse_config  # noqa: E402
 from optimization.muon import is_muon_matrix  # noqa: E402
 from parallel import distributed  # noqa: E402
 from parallel.parallelize import build_mesh  # noqa: E402
-from training import trainer  # noqa: E402
+from training.step import build_trainable, train_step  # noqa: E402
 
 
 def state_bytes(tr) -> int:
@@ -48,14 +48,14 @@ def main() -> None:
         for name in ("adamw", "muon"):
             cfg = parse_config(["--config", "configs/debug.toml", "--optim.name", name, "--train.global_batch_size",
                                 str(batch), "--train.steps", "1000"])
-            trs[name] = trainer.build_trainable(cfg, rank, build_mesh(device, world, 1, 1), device)
+            trs[name] = build_trainable(cfg, rank, build_mesh(device, world, 1, 1), device)
         times = {n: [] for n in trs}
         gen = torch.Generator().manual_seed(rank)
         for i in range(args.steps):
             for name, tr in trs.items():
                 tokens = torch.randint(0, 4096, (batch // world, 129), generator=gen)
                 t = time.perf_counter()
-                trainer.train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
+                train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
                 if i >= 2:
                     times[name].append(time.perf_counter() - t)
         a, m = statistics.median(times["adamw"]), statistics.median(times["muon"])

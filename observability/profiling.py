@@ -50,6 +50,10 @@ class StepProfiler:
         if self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
 
+    def finishes(self, step: int) -> bool:
+        """Whether after_step(step) ends the profile and writes the trace (step: the 1-based step just run)."""
+        return self._prof is not None and step == self.span[1]
+
     def after_step(self, step: int) -> str | None:
         """Finish after the last profiled step; returns the trace's path then, else None."""
         if self._prof is None or step != self.span[1]:

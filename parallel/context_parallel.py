@@ -20,7 +20,7 @@ that crosses a slice boundary keeps its positions, and the mask the kernel appli
 whole sequence is the whole windows' one. FSDP shards parameters over the data-parallel and
 CP ranks together (parallelize.fsdp_mesh), so CP adds no parameter memory, and gradients are
 reduced over both; the loss is summed over every rank's tokens and divided by the global
-target count, as without CP (trainer.forward_backward).
+target count, as without CP (training/step.py: forward_backward).
 """
 from __future__ import annotations
 

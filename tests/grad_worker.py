@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=N tests/grad_worker.py --out FILE [--tp T] --config configs/debug.toml \
         --run_dir DIR --train.steps S [--section.field VALUE ...]
 
-Builds the run as the trainers do (trainer.build; with --tp T > 1 on the ("dp", "tp") mesh
-with train_2d's plan and loss_parallel), then runs the loop's own step, trainer.train_step,
+Builds the run as the trainers do (build; with --tp T > 1 on the ("dp", "tp") mesh
+with train_2d's plan and loss_parallel), then runs the loop's own step, train_step,
 whose after_backward hook gathers every gradient as a full tensor before clipping. Rank 0
 saves with torch.save a dict:
 
@@ -33,7 +33,9 @@ from config import parse_config  # noqa: E402
 from parallel import distributed  # noqa: E402
 from parallel.context_parallel import cp_size, shard_batch  # noqa: E402
 from parallel.parallelize import loss_mesh  # noqa: E402
-from training import trainer  # noqa: E402
+from training.command import check_run  # noqa: E402
+from training.session import build  # noqa: E402
+from training.step import train_step  # noqa: E402
 
 
 def replica_spread(model, tp_mesh) -> dict[str, float]:
@@ -59,9 +61,9 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     cfg = parse_config([*overrides, "--parallel.tp", str(args.tp)])
     plan = train_2d.PLAN if args.tp > 1 else None
-    trainer.check_run(cfg, distributed.world_size(), plan, train_2d.check_tp_layout)
+    check_run(cfg, distributed.world_size(), plan, train_2d.check_tp_layout)
     rank, world, device = distributed.init_distributed(cfg.train.device)
-    s = trainer.build(cfg, rank, world, device, plan, resume=False)
+    s = build(cfg, rank, world, device, plan, resume=False)
     result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {},
               "init": {name: p.full_tensor().detach().cpu().clone() for name, p in s.model.named_parameters()}}
     if args.logits_of:
@@ -82,7 +84,7 @@ def main() -> None:
                                 for name, p in model.named_parameters()})
 
     for _ in range(cfg.train.steps):
-        step = trainer.train_step(s, s.loader.next_step(), after_backward=keep_grads)  # the loop's own step
+        step = train_step(s, s.loader.next_step(), after_backward=keep_grads)  # the loop's own step
         result["losses"].append(step.global_loss(loss_mesh(s.mesh).get_group()))
         result["grad_norms"].append(step.grad_norm.item())
     if args.tp > 1:

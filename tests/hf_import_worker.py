@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N tests/hf_import_worker.py --hf FOLDER --out FILE --config configs/debug.toml \
         --run_dir DIR [--section.field VALUE ...]
 
-Builds the sharded session (trainer.build, no resume), loads the folder with
+Builds the sharded session (build, no resume), loads the folder with
 hf.load_hf_into(model, folder, copy_=parallelize.copy_sharded), then rank 0 saves with
 torch.save a dict:
 
@@ -28,7 +28,7 @@ from config import parse_config  # noqa: E402
 from nn.loss import token_loss_sum  # noqa: E402
 from parallel import distributed  # noqa: E402
 from parallel.parallelize import copy_sharded  # noqa: E402
-from training import trainer  # noqa: E402
+from training.session import build  # noqa: E402
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     cfg = parse_config(overrides)
     rank, world, device = distributed.init_distributed(cfg.train.device)
-    s = trainer.build(cfg, rank, world, device, resume=False)
+    s = build(cfg, rank, world, device, resume=False)
     hf.load_hf_into(s.model, args.hf, copy_=copy_sharded)
 
     params = dict(s.model.named_parameters())

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=N tests/muon_worker.py --out FILE [--tp T] --config configs/debug.toml \
         --run_dir DIR [--parallel.dp_replicate R]
 
-Builds the run as the trainers do (trainer.build, train_2d's plan with --tp T > 1), sets every
+Builds the run as the trainers do (build, train_2d's plan with --tp T > 1), sets every
 gradient to a fixed random matrix from a seeded generator (the same on every rank, then this
 rank's shard of it), takes two optimizer steps and rank 0 saves with torch.save
 {"init": {name: full param}, "grads": [{name: full grad}] per step, "after": {name: full param}}.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_2d  # noqa: E402
 from config import parse_config  # noqa: E402
 from parallel import distributed  # noqa: E402
-from training import trainer  # noqa: E402
+from training.session import build  # noqa: E402
 
 STEPS = 2
 
@@ -35,7 +35,7 @@ def main() -> None:
     cfg = parse_config([*overrides, "--parallel.tp", str(args.tp), "--optim.name", "muon"])
     plan = train_2d.PLAN if args.tp > 1 else None
     rank, world, device = distributed.init_distributed(cfg.train.device)
-    s = trainer.build(cfg, rank, world, device, plan, resume=False)
+    s = build(cfg, rank, world, device, plan, resume=False)
     result = {"init": {n: p.full_tensor().detach().clone() for n, p in s.model.named_parameters()}, "grads": []}
     gen = torch.Generator().manual_seed(1)
     for _ in range(STEPS):

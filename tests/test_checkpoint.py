@@ -24,19 +24,20 @@ from launch import (
     torchrun_command,
     wait_for_step,
 )
-from training import trainer
+from training.session import build
+from training.step import train_step
 
 
 def _session(run_dir, *overrides):
     prepared_data_dir(run_dir)
     cfg = parse_config(["--config", DEBUG, "--run_dir", str(run_dir), "--train.steps", "50",
                                    "--checkpoint.keep", "0", *overrides])
-    return trainer.build(cfg, 0, 1, torch.device("cpu"))
+    return build(cfg, 0, 1, torch.device("cpu"))
 
 
 def _steps(s, n):
     for _ in range(n):
-        trainer.train_step(s, s.loader.next_step())
+        train_step(s, s.loader.next_step())
 
 
 def _full(t):

@@ -6,7 +6,7 @@ from core import cli
 from core.errors import ConfigError
 from launch import DEBUG, prepared_data_dir, refused
 from parallel import distributed
-from training import trainer
+from training import command
 
 
 def test_debug_toml_with_overrides_and_preset():
@@ -135,5 +135,5 @@ def test_an_eot_id_that_the_prepared_run_directory_disagrees_with_is_refused_bef
     monkeypatch.setattr(distributed, "init_distributed", no_collective)
     prepared_data_dir(tmp_path)  # its tokenizer has [EOT] at id 2 (the debug corpus)
     argv = ["--config", DEBUG, "--run_dir", str(tmp_path), "--model.document_mask", "true", "--model.eot_id", "5"]
-    line = refused(trainer.main, argv, capsys)
+    line = refused(command.main, argv, capsys)
     assert "has [EOT] at id 2 but model.eot_id is 5; set --model.eot_id 2" in line, line

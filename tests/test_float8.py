@@ -27,7 +27,7 @@ from parallel import (
 )
 from storage.rundir import RunDir  # noqa: E402
 from test_checkpoint import _kill_after, _session, _steps  # noqa: E402
-from training import trainer  # noqa: E402
+from training.step import train_step  # noqa: E402
 
 F8 = ("--train.float8", "tensorwise")
 CPU = torch.device("cpu")
@@ -183,7 +183,7 @@ NUMERIC_RTOL = 0.02
 
 def _losses(run_dir, *overrides) -> list[float]:
     s = _session(run_dir, *overrides)
-    return [trainer.train_step(s, s.loader.next_step()).global_loss(None) for _ in range(NUMERIC_STEPS)]
+    return [train_step(s, s.loader.next_step()).global_loss(None) for _ in range(NUMERIC_STEPS)]
 
 
 @pytest.fixture(scope="module")

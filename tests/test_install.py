@@ -44,4 +44,4 @@ def test_every_module_of_the_checkout_imports_from_it():
     r = subprocess.run([sys.executable, "-c", code, *mods], cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert {"training.trainer", "data_pipeline.loader", "data_pipeline.mixture", "train_fsdp", "train_2d"} <= set(mods)
+    assert {"training.loop", "training.step", "data_pipeline.loader", "data_pipeline.mixture", "train_fsdp", "train_2d"} <= set(mods)

@@ -41,7 +41,9 @@ from launch import (
     torchrun,
     torchrun_command,
 )
-from training import trainer
+from training import command
+from training.session import build
+from training.step import train_step
 
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
 
@@ -313,7 +315,7 @@ def test_bad_mixtures_are_one_line_errors_naming_the_field(tmp_path, capsys, tab
 
     toml = tmp_path / "bad.toml"
     toml.write_text(open(DEBUG).read().replace('dataset = "stdlib"\n', "") + "\n" + tables)
-    line = refused(trainer.main, ["--config", str(toml), "--run_dir", str(tmp_path / "run")], capsys)
+    line = refused(command.main, ["--config", str(toml), "--run_dir", str(tmp_path / "run")], capsys)
     assert msg in line, line
     assert not (tmp_path / "run").exists()
 
@@ -436,10 +438,10 @@ def test_a_run_directory_from_before_mixtures_trains_and_resumes(tmp_path, singl
 
     def session():
         cfg = parse_config(["--config", DEBUG, "--run_dir", str(rd), "--train.steps", "50", "--checkpoint.keep", "0"])
-        return trainer.build(cfg, 0, 1, torch.device("cpu"))
+        return build(cfg, 0, 1, torch.device("cpu"))
 
     def step(s):
-        trainer.train_step(s, s.loader.next_step())
+        train_step(s, s.loader.next_step())
 
     a = session()
     assert a.corpus.sources[0].tokens.dtype == np.uint32

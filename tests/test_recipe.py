@@ -30,7 +30,8 @@ from launch import (
 from model import PRESETS, ModelArgs, Transformer
 from nn.loss import chunked_cross_entropy_sum, token_loss_sums
 from optimization.optimizers import OptimConfig, build_optimizer, lr_factor
-from training import trainer
+from training.session import build
+from training.step import train_step
 
 Z = 0.01  # 100x PaLM's 1e-4, so that the z term's gradient is far above fp32 noise
 
@@ -120,14 +121,14 @@ SPIKE = ["--train.spike_skip", "3", "--train.spike_window", "8", "--optim.warmup
 def test_the_spike_guard_skips_a_planted_spike_and_only_it(tmp_path, single_rank_group):
     prepared_data_dir(tmp_path)
     cfg = parse_config(["--config", DEBUG, "--run_dir", str(tmp_path), "--train.steps", "16", *SPIKE])
-    s = trainer.build(cfg, 0, 1, torch.device("cpu"), resume=False)
+    s = build(cfg, 0, 1, torch.device("cpu"), resume=False)
     planted, skipped = 12, []
     for step in range(1, 17):
         batches = s.loader.next_step()
         if step == planted:  # a corrupted batch: every label replaced by a random token
             batches = [(x, torch.randint(0, cfg.model.vocab_size, y.shape)) for x, y in batches]
             before = {n: p.detach().clone() for n, p in s.model.named_parameters()}
-        result = trainer.train_step(s, batches)
+        result = train_step(s, batches)
         if result.skipped:
             skipped.append(step)
             assert result.skipped.startswith(("loss spike", "grad_norm spike")), result.skipped

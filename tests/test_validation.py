@@ -9,7 +9,8 @@ from data import PackedCorpus
 from evaluation import validation
 from launch import DEBUG, prepared_data_dir
 from model import Transformer
-from training import trainer
+from training.session import build
+from training.step import train_step
 
 
 @pytest.mark.parametrize("n", [1, 7, 10, 33])
@@ -33,8 +34,8 @@ def test_validation_loss_is_the_plain_models_and_leaves_the_parameters_sharded(
     prepared_data_dir(tmp_path)
     cfg = parse_config(["--config", DEBUG, "--run_dir", str(tmp_path), "--train.steps", "5",
                         "--parallel.reshard_after_forward", reshard_after_forward, "--train.loss_chunk_size", "64"])
-    s = trainer.build(cfg, 0, 1, torch.device("cpu"), resume=False)
-    trainer.train_step(s, s.loader.next_step())  # trained weights, and the step's backward resharded
+    s = build(cfg, 0, 1, torch.device("cpu"), resume=False)
+    train_step(s, s.loader.next_step())  # trained weights, and the step's backward resharded
     (vs,) = validation.val_batches(s.corpus, 8, 3, 0, 1)
     total, count = validation.loss_sum_and_count(s.model, vs, s.device, s.mesh, None, cfg.train.loss_chunk_size)
     groups = [m._get_fsdp_state()._fsdp_param_group for m in s.model.modules() if isinstance(m, FSDPModule)]

@@ -1,0 +1,117 @@
+"""The command behind train_fsdp.py and train_2d.py: parse, check without collectives, run, and the error boundary.
+
+The two scripts differ only in the tensor-parallel plan they hand main (and that plan's layout
+checks). Every error a user can fix is one 'error:' line before any collective starts; a lost
+peer is one line naming the newest complete checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import hf
+from checkpoint import complete_checkpoints, lock_run_dir
+from config import Config, compute_dtype, parse_config, validate
+from core.errors import PeerError, SetupError, UserError, report, require
+from parallel import distributed
+from parallel.parallelize import TPPlan, shard_group_note
+from training.loop import exit_status, train
+from training.session import build
+
+
+def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
+              check_layout: Callable[[Config, int], None] | None = None) -> None:
+    """Every check that needs no collective, in the order a user can fix them; raises a UserError.
+
+    check_layout(cfg, world_size): the TP plan's own layout checks (train_2d.py), run first.
+    With init_from_hf, data.tokenizer defaults to the folder's tokenizer.json.
+    """
+    if tp_plan is None and cfg.parallel.tp != 1:
+        raise SetupError(f"parallel.tp is {cfg.parallel.tp}: tensor parallelism runs with train_2d.py")
+    if check_layout is not None:
+        check_layout(cfg, world_size)
+    if cfg.init_from_hf:
+
+        require("safetensors", "hf", "--init_from_hf")
+        try:
+            hf.check_args(cfg.init_from_hf, cfg.model)
+            cfg.data.tokenizer = cfg.data.tokenizer or hf.tokenizer_path(cfg.init_from_hf)
+        except hf.HFError as e:
+            raise SetupError(f"--init_from_hf: {e}") from None
+    validate(cfg, world_size)
+    note = shard_group_note(cfg.parallel, world_size, distributed.local_world_size())
+    if note and int(os.environ.get("RANK", 0)) == 0:
+        print(note, flush=True)
+    device = distributed.resolve_device(cfg.train.device)
+    cfg.train.dtype = compute_dtype(cfg.train, device)  # the resolved dtype is what config.toml records
+    if cfg.train.dtype == "bfloat16" and device.type == "cpu" and not distributed.cpu_has_native_bf16() \
+            and int(os.environ.get("RANK", 0)) == 0:
+        print("[train] notice: train.dtype bfloat16 on a CPU without native bf16 matmuls (no avx512_bf16 or "
+              "amx_bf16): expect it 3-8x slower than --train.dtype float32", flush=True)
+
+
+def peer_message(cfg: Config, where: str, rank: int, why: str) -> str:
+    """The one line a rank prints when a peer rank hung or died: where, what, what is safe, what to do."""
+    try:
+        found = complete_checkpoints(cfg.checkpoint.root(cfg.run_dir))
+    except Exception:  # a store that is down too must not hide the peer's failure
+        found = []
+    timeout = f" for train.collective_timeout_s ({cfg.train.collective_timeout_s:g} s)" if "answering" in why else ""
+    return (f"{where}: rank {rank}: a peer rank {why}{timeout}; the newest complete checkpoint is "
+            f"{found[-1][1] if found else 'none yet'}; see the other ranks' output for the cause, then run the same "
+            f"command to resume (torchrun --max-restarts N restarts and resumes by itself)")
+
+
+def run(cfg: Config, tp_plan: TPPlan | None = None) -> int:
+    """Train as configured (called under torchrun on every rank, after check_run); returns train()'s result."""
+    lock = lock_run_dir(cfg.run_dir) if int(os.environ.get("RANK", 0)) == 0 else None
+    try:
+        rank, world_size, device = distributed.init_distributed(cfg.train.device)
+        session = None
+        try:
+            session = build(cfg, rank, world_size, device, tp_plan)
+            stopped_by = train(session)
+        except RuntimeError as e:
+            why = distributed.peer_failure(e)
+            if not why:
+                raise
+            where = f"after step {session.train_state.step}" if session else "during start-up"
+            raise PeerError(peer_message(cfg, where, rank, why)) from e
+        distributed.finish_distributed()
+        return stopped_by
+    finally:
+        distributed.abandon_distributed()
+        if lock is not None:
+            lock.close()
+
+
+def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
+         check_layout: Callable[[Config, int], None] | None = None, description: str = "") -> int:
+    """Entry point of train_fsdp.py and train_2d.py: parse, check, run.
+
+    Exit status: 0 finished, or stopped by SIGTERM after saving; 130 after Ctrl-C (SIGINT:
+    saved, or interrupted before training started); 2 on bad input, with one line
+    'error: ...' (see errors.report). tp_plan: the tensor-parallel plan (train_2d.py);
+    check_layout(cfg, world_size): its layout checks, run before anything is created.
+    description: the --help text's head.
+    """
+    try:
+        cfg = parse_config(argv, description, require_file=True)
+        check_run(cfg, distributed.world_size(), tp_plan, check_layout)
+        return exit_status(run(cfg, tp_plan))
+    except PeerError as e:
+        report(e)
+        # The process group is broken: leave now, before interpreter teardown races gloo's threads
+        # into an abort ("terminate called ..."). Everything worth keeping is written and closed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    except UserError as e:
+        report(e)
+        return 2
+    except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one inside it
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("[train] interrupted (Ctrl-C); what was saved before stays; run the same command to resume",
+                  file=sys.stderr, flush=True)
+        return 130

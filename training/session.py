@@ -1,0 +1,132 @@
+"""Building a run on one rank: mesh, data, sharded model, optimizer, checkpoints, and where it starts from.
+
+build() is collective: every rank calls it with the same Config. It resumes from the newest
+complete checkpoint (or checkpoint.load_from, or init_from_hf weights) after checking that the
+checkpoint fits this model and data, so the loop only ever continues a consistent state.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+import hf
+from checkpoint import AppState, Checkpointer, check_compatible, check_same_config, saved_config
+from config import Config, check_tokenizer
+from core import cli
+from core.errors import SetupError, UserError
+from data import PackedCorpus, mixture_note
+from data_pipeline import datacache
+from data_pipeline.loader import DataState, GlobalBatchLoader
+from evaluation.downstream import Task, load_tasks
+from model import Transformer, num_params
+from nn.loss import has_tp
+from parallel import distributed
+from parallel.parallelize import TPPlan, build_mesh, copy_sharded, dp_mesh
+from prepare import prepare_on_all_ranks
+from storage.rundir import RunDir
+from training.step import Trainable, build_trainable
+
+
+@dataclasses.dataclass
+class Session(Trainable):
+    """Everything built for a run on one rank, before the loop: the Trainable, its data and its checkpoints."""
+
+    corpus: PackedCorpus
+    loader: GlobalBatchLoader
+    micro_batch_size: int
+    ckpt: Checkpointer
+    app: AppState
+    meta: dict
+    resumed_from: str | None
+    resume_note: str = ""
+    """What changed since the checkpoint that the run carries over (for the start-up line)."""
+    tasks: list[Task] = dataclasses.field(default_factory=list)
+    """The [[eval.tasks]], read and tokenized."""
+
+
+def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan: TPPlan | None = None,
+          resume: bool = True) -> Session:
+    """Mesh, data, sharded model, optimizer and checkpointer (collective); resumes if a checkpoint exists.
+
+    tp_plan: train_2d.py's plan, used when cfg.parallel.tp > 1. Raises SetupError (on every
+    rank) for bad data or a checkpoint that does not fit the model.
+    """
+    mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate, cfg.parallel.cp)
+    data_parallel = dp_mesh(mesh)
+    dp = data_parallel.size()
+    torch.manual_seed(cfg.train.seed)
+
+    # Data: all ranks tokenize their share of the corpus into the run directory, or each node
+    # copies a published one (data.prepared) into its cache; then every rank maps it.
+    data_dir = RunDir(cfg.run_dir).data
+    try:
+        if cfg.data.prepared:
+            data_dir, meta = datacache.fetch(cfg.data, datacache.cache_dir(cfg.data, cfg.run_dir))
+        else:
+            meta = prepare_on_all_ranks(cfg.data, data_dir)
+    except UserError as e:
+        raise SetupError(str(e)) from None
+    check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"])
+    corpus = PackedCorpus(data_dir, cfg.data)
+    micro = cfg.train.micro_batch(dp)
+    data_state = DataState()
+    loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                               data_parallel.get_local_rank(), dp, cfg.train.seed, data_state,
+                               cfg.train.batch_schedule()[1:])
+
+    tr = build_trainable(cfg, rank, mesh, device, tp_plan)
+    ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.root(cfg.run_dir), rank, cli.to_toml(cfg))
+    app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, data_state, rank)
+
+    def find_resume():
+        ckpt.clean_partial()
+        path = ckpt.resume_path()
+        if path is None:
+            return None, ""
+        # Fields first: they name what differs, where shapes could only list tensors.
+        check_same_config(path, "model", dataclasses.asdict(cfg.model))
+        # The data cursor counts windows of seq_len among the train windows: another length or
+        # split would point it elsewhere in the corpus.
+        check_same_config(path, "data", {"seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction})
+        check_same_config(path, "train", {"seed": cfg.train.seed})  # it seeds the data order too
+        with torch.device("meta"):
+            check_compatible(path, {k: v.shape for k, v in Transformer(cfg.model).state_dict().items()})
+        batch = saved_config(path).get("train", {}).get("global_batch_size", cfg.train.global_batch_size)
+        note = "" if batch == cfg.train.global_batch_size else \
+            f"train.global_batch_size {batch} -> {cfg.train.global_batch_size} (the data position is kept, in samples)"
+        mix = mixture_note(saved_config(path).get("data", {}), cfg.data)
+        return path, "; ".join(n for n in (note, mix) if n)
+
+    path, note = distributed.on_rank0(find_resume, rank) if resume else (None, "")
+    tasks = distributed.on_rank0(lambda: load_tasks(cfg.eval, meta["tokenizer"], cfg.model.max_seq_len),
+                                 rank) if cfg.eval.tasks else []
+    if path is not None:
+        ckpt.load(path, app)
+    elif cfg.init_from_hf:  # every rank reads the folder and keeps its own shards: no communication
+        hf.load_hf_into(tr.model, cfg.init_from_hf, copy_=copy_sharded)
+    return Session(**vars(tr), corpus=corpus, loader=loader, micro_batch_size=micro, ckpt=ckpt, app=app, meta=meta,
+                   resumed_from=path, resume_note=note, tasks=tasks)
+
+
+def loss_description(cfg: Config, mesh: DeviceMesh) -> str:
+    """How the loss is computed, for the start-up line (says when loss_chunk_size is not applied)."""
+    chunk = cfg.train.loss_chunk_size
+    if has_tp(mesh):
+        loss = "vocab-parallel" + (" (train.loss_chunk_size is not applied under tp)" if chunk else "")
+    else:
+        loss = f"in chunks of {chunk} tokens" if chunk else "on full logits"
+    return f"{'document-masked' if cfg.model.document_mask else 'causal'} attention, loss {loss}"
+
+
+def start_line(s: Session, fpt: float) -> str:
+    """The one line a run prints when it starts: layout, model, corpus, attention and loss, where it starts from."""
+    cfg, mesh = s.cfg, s.mesh
+    start = (f"resumed from {s.resumed_from} at step {s.train_state.step}" if s.resumed_from else
+             f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start")
+    return (f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {s.device.type} {cfg.train.dtype} | "
+            f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
+            f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
+            f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
+            + (f" | {s.resume_note}" if s.resume_note else ""))

@@ -1,0 +1,197 @@
+"""The one training step that the loop, the tests and the benchmarks run: forward/backward, clip, update, schedule.
+
+A Trainable is what a step reads and changes on one rank (the sharded model, its optimizer and
+LR schedule, the counters); build_trainable makes one from a Config. The step needs no host
+sync beyond the gradient norm's finiteness check (and the spike guard's global loss when on).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from checkpoint import TrainState
+from config import Config, compute_dtype
+from model import Transformer
+from nn.loss import applied_chunk_size, loss_context, token_loss_sums
+from optimization.optimizers import build_optimizer
+from optimization.spike import push, spike_reason
+from parallel import distributed, float8
+from parallel.context_parallel import shard_batch
+from parallel.parallelize import TPPlan, build_model, dp_mesh, loss_mesh
+
+
+def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device, mesh: DeviceMesh,
+                     loss_chunk_size: int = 0, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over this rank's micro-batches of one step; gradients accumulate.
+
+    micro_batches: [(inputs, labels)], each (mb, seq_len) int64. loss_chunk_size: see
+    loss.token_loss_sum (ignored when mesh has "tp"); z_loss: loss.token_loss_sums. Every
+    micro-batch's objective sum is divided by n_targets, the global count of target tokens of
+    the step, and multiplied by dp_size because FSDP averages gradients over data-parallel
+    ranks: the gradient is exactly that of the global mean token objective, however the batch
+    is split. With a "cp" dimension each rank runs its slice of every window
+    (context_parallel.shard_batch) and dp_size must count the CP ranks too
+    (loss_mesh(mesh).size(): FSDP averages over them as well). Returns this rank's summed token
+    cross-entropy and summed logsumexp^2 (0 without z_loss), 0-dim fp32 tensors on device (no
+    host sync).
+    """
+    loss_sum = torch.zeros((), device=device)
+    z_total = torch.zeros((), device=device)
+    context, chunk = loss_context(mesh), applied_chunk_size(mesh, loss_chunk_size)
+    for i, (inputs, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per step
+        with context():
+            inputs, labels, layout = shard_batch(model, inputs.to(device, non_blocking=True),
+                                                 labels.to(device, non_blocking=True), mesh)
+            objective, z_sum = token_loss_sums(model, inputs, labels, chunk, z_loss, layout)
+            (objective * (dp_size / n_targets)).backward()
+        loss_sum += objective.detach() - z_loss * z_sum
+        z_total += z_sum
+    return loss_sum, z_total
+
+
+class NonFiniteError(RuntimeError):
+    """The global gradient norm is NaN or inf; the weights were not updated."""
+
+
+def optimizer_step(model, optimizer, grad_clip: float, device, skip_nonfinite: bool = False,
+                   veto: Callable[[float], bool] | None = None) -> torch.Tensor:
+    """Clip to grad_clip (0: no clipping), step, zero the gradients; returns the pre-clip global norm.
+
+    A non-finite norm never reaches the weights: the gradients are dropped and NonFiniteError
+    is raised, or, with skip_nonfinite, the update is skipped and the non-finite norm returned.
+    veto(norm): called with a finite pre-clip norm; True drops the gradients instead of the
+    update (the spike guard). Checking costs one host sync per step.
+    """
+    norm = distributed.grad_norm_(model.parameters(), grad_clip, device)
+    if not torch.isfinite(norm).item():
+        optimizer.zero_grad(set_to_none=True)
+        if skip_nonfinite:
+            return norm
+        raise NonFiniteError(f"gradient norm is {norm.item()}")
+    if veto is not None and veto(norm.item()):
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What train_step returns; tensors stay on the device, so the step needs no host sync."""
+
+    loss_sum: torch.Tensor
+    """This rank's summed token loss of the step, a 0-dim fp32 tensor (see global_loss)."""
+    grad_norm: torch.Tensor
+    """The pre-clip global gradient norm, a 0-dim fp32 tensor (non-finite when the update was skipped)."""
+    lr: float
+    """The learning rate the update used."""
+    n_targets: int
+    """Target tokens of the step's global batch."""
+    z_sum: torch.Tensor | None = None
+    """This rank's sum of logsumexp^2 over its tokens, 0-dim fp32 (train.z_loss; None or 0 when off)."""
+    skipped: str = ""
+    """Why the update was skipped ('' when it was applied): a non-finite norm or the spike guard's reason."""
+    mean_loss: float | None = None
+    """global_loss, when the step already computed it (the spike guard needs it)."""
+
+    def global_losses(self, dp_group) -> tuple[float, float]:
+        """(mean token cross-entropy, mean logsumexp^2) of the step's global batch (collective over dp_group; syncs)."""
+        total = torch.stack([self.loss_sum, self.loss_sum.new_zeros(()) if self.z_sum is None else self.z_sum])
+        dist.all_reduce(total, group=dp_group)
+        loss, z = (total / self.n_targets).tolist()
+        return loss, z
+
+    def global_loss(self, dp_group) -> float:
+        """The mean token cross-entropy of the step's global batch (collective over dp_group, loss_mesh's group; syncs)."""
+        return self.mean_loss if self.mean_loss is not None else self.global_losses(dp_group)[0]
+
+
+@dataclasses.dataclass
+class Trainable:
+    """What a training step reads and changes on one rank: the sharded model, its optimizer and schedule, the counters."""
+
+    cfg: Config
+    rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    dp: int
+    """Data-parallel ranks (dp_mesh(mesh).size())."""
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train_state: TrainState
+
+
+def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.Module], None] | None = None
+               ) -> StepResult:
+    """One optimizer step, as the loop runs it: forward/backward, clip, update, LR schedule, counters.
+
+    micro_batches: this rank's [(inputs, labels)] of the step, each (mb, seq_len) int64 (the
+    loader's next_step()). after_backward(model): called once the gradients are complete and
+    before clipping (tests read them there). The loss is that of the global batch of
+    cfg.train.batch_size_at(step) windows of cfg.data.seq_len targets each (forward_backward).
+    Raises NonFiniteError when the norm is not finite and cfg.train.nonfinite is "stop":
+    neither the weights, the schedule nor the counters moved. With "skip", or when the spike
+    guard (train.spike_skip, spike.py) finds the loss or the norm an outlier, the update is
+    skipped but the step counts (StepResult.skipped says why).
+    """
+    cfg, t = s.cfg, s.cfg.train
+    n_targets = t.batch_size_at(s.train_state.step) * cfg.data.seq_len  # packed: every label is a target
+    lr = s.scheduler.get_last_lr()[0]
+    ranks = loss_mesh(s.mesh).size()  # the data-parallel x CP ranks FSDP averages gradients over
+    loss_sum, z_sum = forward_backward(s.model, micro_batches, n_targets, ranks, s.device, s.mesh, t.loss_chunk_size,
+                                       t.z_loss)
+    if after_backward is not None:
+        after_backward(s.model)
+    result = StepResult(loss_sum, torch.zeros(()), lr, n_targets, z_sum)
+    veto = None
+    if t.spike_skip:
+        result.mean_loss = result.global_loss(loss_mesh(s.mesh).get_group())
+        veto = functools.partial(_spike_veto, s.train_state, result, t.spike_skip, t.spike_window)
+    try:
+        result.grad_norm = optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, s.device, t.nonfinite == "skip",
+                                          veto)
+    except NonFiniteError as e:
+        raise NonFiniteError(f"{e} (loss {loss_sum.item() / n_targets * ranks:.4g} on rank {s.rank})") from None
+    if not result.skipped and not torch.isfinite(result.grad_norm).item():
+        result.skipped = "non-finite gradient norm"
+    if cfg.train.float8 == "tensorwise":  # the next step's float8 all-gathers use these weights' scales
+        float8.precompute_scales(s.model)
+    s.scheduler.step()
+    s.train_state.step += 1
+    s.train_state.tokens_seen += n_targets
+    return result
+
+
+def _spike_veto(state: TrainState, result: StepResult, sigmas: float, window: int, grad_norm: float) -> bool:
+    """The spike guard's decision on a step of finite grad_norm (optimizer_step's veto); records it in the windows."""
+    result.skipped = spike_reason(state.recent_losses, state.recent_grad_norms, result.mean_loss, grad_norm,
+                                  sigmas, window)
+    push(state.recent_losses, result.mean_loss, window)
+    push(state.recent_grad_norms, grad_norm, window)
+    return bool(result.skipped)
+
+
+
+def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.device, tp_plan: TPPlan | None = None,
+                    model: torch.nn.Module | None = None) -> Trainable:
+    """The sharded model (parallelize.build_model, from cfg.train.seed), optimizer, LR schedule and a fresh TrainState.
+
+    model: an already parallelized and initialised model to use instead (benchmarks time
+    another model source with the same step). Collective when it builds the model.
+    """
+    t = cfg.train
+    if model is None:
+        model = build_model(cfg.model, mesh, device, t.seed, cfg.parallel, dtype=compute_dtype(t, device),
+                            activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan,
+                            float8_recipe=t.float8)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload,
+                                           batch_schedule=t.batch_schedule())
+    return Trainable(cfg, rank, device, mesh, dp_mesh(mesh).size(), model, optimizer, scheduler, TrainState())
