@@ -20,12 +20,10 @@ names, so a checkpoint loads at another world size or parallel layout.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import os
 import pickle
 import re
 import shutil
-import socket
 import warnings
 from concurrent.futures import Future
 
@@ -228,32 +226,6 @@ def check_same_config(path: str, section: str, current: dict) -> None:
             f"checkpoint '{path}' was saved with other settings ({'; '.join(diffs)}); "
             f"use the settings it was trained with, or another run directory"
         )
-
-
-def lock_run_dir(run_dir: str):
-    """Hold an exclusive lock on the run directory (RunDir.lock) for as long as the returned file stays open.
-
-    Two runs writing one run directory would overwrite each other's checkpoints and data;
-    the second now stops at once. The OS drops the lock when the process ends, even on
-    SIGKILL, so no stale lock survives a crash. File systems without locks are not guarded.
-    Raises CheckpointError naming the holder.
-    """
-    f = open(RunDir(run_dir).lock, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise CheckpointError(f"--run_dir '{run_dir}' is in use by {holder}; wait for that run to end, "
-                              f"or choose another --run_dir") from None
-    except OSError:  # e.g. ENOLCK on a file system without locks
-        return f
-    f.seek(0)
-    f.truncate()
-    f.write(f"a run with pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f
 
 
 def newest_checkpoint(root: str) -> str:

@@ -136,7 +136,8 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(RunDir(run_dir).tensorboard, purge_step=resume_step + 1)
         if metrics.wandb:
-            self.wandb = WandbLog(run_dir, metrics, config or {}, resume_step, rewind=dropped)
+            self.wandb = WandbLog(run_dir, config or {}, resume_step, rewind=dropped, project=metrics.wandb_project,
+                                  entity=metrics.wandb_entity, name=metrics.wandb_run_name, group=metrics.wandb_group)
 
     def _drop_after(self, step: int) -> bool:
         """Drop the records of steps after step; True when a whole record was dropped (W&B may hold its step)."""

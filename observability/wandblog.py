@@ -15,14 +15,9 @@ import os
 import secrets
 import string
 import sys
-from typing import TYPE_CHECKING
 
 from core.errors import SetupError, one_line, require
 from storage.rundir import RunDir
-
-if TYPE_CHECKING:
-    from observability.metrics import MetricsConfig
-
 
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
 """The values of WANDB_MODE that wandb 0.31 takes (its Settings.mode)."""
@@ -69,7 +64,8 @@ def run_id(run_dir: str) -> str:
 class WandbLog:
     """The W&B run of a run directory (rank 0 only): log(step, values), finish().
 
-    metrics: the [metrics] section (project, entity, run name, group). config: the resolved
+    project, entity, name, group: the [metrics] section's wandb_* fields ('' for W&B's default;
+    name '' for the run directory's name). config: the resolved
     config, stored as the W&B run's config (the latest start's values win). resume_step: the
     step this start continues from; rewind: whether an earlier start logged steps after it
     (metrics.jsonl held them), which makes this start rewind the W&B run to resume_step.
@@ -79,12 +75,13 @@ class WandbLog:
     W&B cannot start the run (no login, say) or the id file is bad.
     """
 
-    def __init__(self, run_dir: str, metrics: MetricsConfig, config: dict, resume_step: int, rewind: bool):
+    def __init__(self, run_dir: str, config: dict, resume_step: int, rewind: bool, project: str = "",
+                 entity: str = "", name: str = "", group: str = ""):
         wandb = require("wandb", "wandb", "metrics.wandb = true", "set it to false")
         rid = run_id(run_dir)
-        base = dict(project=metrics.wandb_project or None, entity=metrics.wandb_entity or None,
-                    name=metrics.wandb_run_name or os.path.basename(os.path.abspath(run_dir)),
-                    group=metrics.wandb_group or None, dir=RunDir(run_dir).root, config=config,
+        base = dict(project=project or None, entity=entity or None,
+                    name=name or os.path.basename(os.path.abspath(run_dir)),
+                    group=group or None, dir=RunDir(run_dir).root, config=config,
                     allow_val_change=True)  # a resumed run may change train.steps, say
         try:
             if rewind:

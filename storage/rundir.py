@@ -10,7 +10,7 @@
     DIR/wandb_run_id      the W&B run's id, so that every start of the run logs to the same W&B run
     DIR/profile/          torch.profiler traces (train.profile_steps)
     DIR/eval_data/<hash>/ another source tokenized by evaluate.py with the run's tokenizer
-    DIR/.lock             held by the running job (checkpoint.lock_run_dir)
+    DIR/.lock             held by the running job (lock_run_dir)
     DIR/exit.json         how the last run ended, for scripts (torchrun's own exit status is 1 after a signal)
 
 Modules take their paths from here, never from string literals of their own, so a path
@@ -19,7 +19,11 @@ can move (checkpoints to object storage, say) in one place.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
+import socket
+
+from core.errors import SetupError
 
 CONFIG_FILE = "config.toml"
 """The resolved config's file name, in the run directory and in every checkpoint directory."""
@@ -87,3 +91,29 @@ class RunDir:
     def eval_data(self, digest: str) -> str:
         """Where evaluate.py tokenizes another source (digest: a hash of its reading settings)."""
         return self._path("eval_data", digest)
+
+
+def lock_run_dir(run_dir: str):
+    """Hold an exclusive lock on the run directory (RunDir.lock) for as long as the returned file stays open.
+
+    Two runs writing one run directory would overwrite each other's checkpoints and data;
+    the second now stops at once. The OS drops the lock when the process ends, even on
+    SIGKILL, so no stale lock survives a crash. File systems without locks are not guarded.
+    Raises SetupError naming the holder.
+    """
+    f = open(RunDir(run_dir).lock, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise SetupError(f"--run_dir '{run_dir}' is in use by {holder}; wait for that run to end, "
+                              f"or choose another --run_dir") from None
+    except OSError:  # e.g. ENOLCK on a file system without locks
+        return f
+    f.seek(0)
+    f.truncate()
+    f.write(f"a run with pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f

@@ -12,6 +12,7 @@ import train_fsdp
 from data_pipeline import sources, tokenizer
 from launch import DEBUG, debug_run, metrics, prepared_data_dir
 from parallel import distributed
+from storage.rundir import lock_run_dir
 
 
 def _snapshot(rd):
@@ -268,7 +269,7 @@ def test_the_batch_error_names_only_what_the_user_set(tmp_path, monkeypatch, cap
 @pytest.mark.slow
 def test_a_run_directory_in_use_stops_a_second_run(existing_run, monkeypatch, capsys):
     before = _snapshot(existing_run)
-    holder = ckpt_lib.lock_run_dir(str(existing_run))  # another run, as far as the lock can tell
+    holder = lock_run_dir(str(existing_run))  # another run, as far as the lock can tell
     try:
         rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), "--train.steps", "3")
     finally:

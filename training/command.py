@@ -11,11 +11,12 @@ import sys
 from typing import Callable
 
 import hf
-from checkpoint import complete_checkpoints, lock_run_dir
+from checkpoint import complete_checkpoints
 from config import Config, compute_dtype, parse_config, validate
 from core.errors import PeerError, SetupError, UserError, report, require
 from parallel import distributed
 from parallel.parallelize import TPPlan, shard_group_note
+from storage.rundir import lock_run_dir
 from training.loop import exit_status, train
 from training.session import build
 
