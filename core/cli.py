@@ -16,7 +16,6 @@ import ast
 import dataclasses
 import difflib
 import inspect
-import json
 import os
 import sys
 import textwrap
@@ -24,6 +23,7 @@ import types
 import typing
 from typing import Any, Literal
 
+import tomli_w
 import tomllib
 
 from core.errors import ConfigError
@@ -351,41 +351,20 @@ def help_text(root_cls, description: str = "", presets: dict[str, dict[str, dict
 
 
 def to_toml(cfg) -> str:
-    """The resolved config as TOML that parse_args reads back (--config)."""
-    out_top, out_sections = [], []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            out_sections.append(f"\n[{f.name}]")
-            tables = []
-            for sub in dataclasses.fields(value):
-                v = getattr(value, sub.name)
-                if _table_list(_hints(type(value))[sub.name]) is not None:
-                    tables += [f"\n[[{f.name}.{sub.name}]]\n" + _toml_fields(item) for item in v]
-                elif v is not None:  # None: unset (X | None fields), which TOML cannot write
-                    out_sections.append(f"{sub.name} = {_toml_value(v)}")
-            out_sections += tables  # array-of-tables after the section's own keys
-        else:
-            out_top.append(f"{f.name} = {_toml_value(value)}")
-    return "\n".join(out_top + out_sections) + "\n"
+    """The resolved config (a dataclass of dataclasses) as TOML that parse_args reads back (--config).
+
+    Written by tomli_w, so every string, Unicode included, is escaped as TOML wants it. Unset
+    (None) fields are left out: TOML has no null, and reading the file back leaves them unset.
+    """
+    return tomli_w.dumps(_without_none(dataclasses.asdict(cfg)))
 
 
-def _toml_fields(obj) -> str:
-    """A dataclass' set fields as 'name = value' lines (for an [[array.of.tables]] entry)."""
-    return "\n".join(f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)
-                     if getattr(obj, f.name) is not None)
-
-
-def _toml_value(v) -> str:
+def _without_none(v: Any) -> Any:
     if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
+        return {str(k): _without_none(x) for k, x in v.items() if x is not None}
     if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
+        return [_without_none(x) for x in v]
+    return v
 
 
 def write_resolved(cfg, path: str) -> None:

@@ -23,6 +23,20 @@ def test_resolved_config_round_trips(tmp_path):
     assert parse_config(["--config", str(path)]) == cfg
 
 
+def test_resolved_config_round_trips_any_unicode_and_tables(tmp_path):
+    """An emoji (outside the BMP: JSON's escapes of it are surrogates, which TOML refuses) and [[data.sources]]."""
+    toml = tmp_path / "mix.toml"
+    toml.write_text('[data]\n[[data.sources]]\nname = "a"\ndataset = "stdlib"\nweight = 2.0\n'
+                    '[[data.sources]]\nname = "b"\ndataset = "stdlib"\nweight = 1.0\n')
+    cfg = parse_config(["--config", str(toml), "--run_dir", str(tmp_path / "run \U0001F680"),
+                        "--metrics.wandb_run_name", "caf\u00e9 \U0001F600"])
+    path = tmp_path / "config.toml"
+    cli.write_resolved(cfg, str(path))
+    back = parse_config(["--config", str(path)])
+    assert back == cfg and [s.name for s in back.data.sources] == ["a", "b"]
+    assert back.metrics.wandb_run_name == "caf\u00e9 \U0001F600" and back.run_dir.endswith("\U0001F680")
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'steps'"),
     (["--trian.steps", "3"], "did you mean 'train'"),
