@@ -1,9 +1,9 @@
 """The root config of a run: it composes each module's own section, and the checks across them.
 
     [model] model.ModelArgs      [data] data.DataConfig        [train] TrainConfig (below)
-    [optim] optim.OptimConfig    [parallel] parallelize.ParallelConfig
-    [checkpoint] checkpoint.CheckpointConfig  [metrics] metrics.MetricsConfig
-    [eval] downstream.EvalConfig (with [[eval.tasks]])
+    [optim] optimization/optimizers.OptimConfig    [parallel] parallel/parallelize.ParallelConfig
+    [checkpoint] checkpoint.CheckpointConfig  [metrics] observability/metrics.MetricsConfig
+    [eval] evaluation/downstream.EvalConfig (with [[eval.tasks]])
 
 A field is checked where it is defined (each section's ``__post_init__``, ``Literal``
 choices); ``validate`` keeps only what needs several sections, files or the world size.
@@ -57,7 +57,7 @@ class TrainConfig:
     global_batch_size: int = 64
     """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps (until the first [[train.batch_stages]])."""
     batch_stages: list[BatchStage] = dataclasses.field(default_factory=list)
-    """Batch-size ramp: [[train.batch_stages]] tables (start_step, global_batch_size), in order, each batch larger than the one before. The data cursor counts samples, and the LR schedule runs in samples (see optim.py), so both stay exact across a stage."""
+    """Batch-size ramp: [[train.batch_stages]] tables (start_step, global_batch_size), in order, each batch larger than the one before. The data cursor counts samples, and the LR schedule runs in samples (see optimization/optimizers.py), so both stay exact across a stage."""
     micro_batch_size: int = 0
     """Sequences per forward pass on one rank (0: global_batch_size / data-parallel size, no accumulation)."""
     seed: int = 0

@@ -7,7 +7,7 @@ parameters are gathered for its forward and backward. With --parallel.dp_replica
 for R nodes) the mesh is ("dp_replicate", "dp_shard"): parameters are sharded over the N / R
 ranks of a node and replicated across nodes, so the all-gathers stay inside a node and only
 the gradients' all-reduce crosses nodes. With --parallel.cp C each sequence is split over C
-ranks (Ulysses attention, context_parallel.py) and FSDP shards over the data-parallel and CP
+ranks (Ulysses attention, parallel/context_parallel.py) and FSDP shards over the data-parallel and CP
 ranks together (docs/long_context.md). Running the same command again
 resumes from the newest complete checkpoint in DIR/checkpoints, at any world size.
 `--help` lists every config field. The loop itself is in training/ (loop.py; the step is step.py).

@@ -73,7 +73,7 @@ def parse_args(argv):
                    help="another setting of our step: config overrides ('--train.compile true') and/or "
                         "'--src DIR' (model.py from DIR, e.g. a copy from before a change, with this "
                         "checkout's parallelization and step)")
-    p.add_argument("--loader_seconds", type=float, default=1.0, help="time loader.GlobalBatchLoader this long (0: skip)")
+    p.add_argument("--loader_seconds", type=float, default=1.0, help="time data_pipeline.loader.GlobalBatchLoader this long (0: skip)")
     p.add_argument("--forward_only", action="store_true",
                    help="also time each variant's validation pass (forward only, no_grad) on the step's batches")
     p.add_argument("--profile", type=int, default=0, help="print the N ops with most self CPU time, per variant")
@@ -215,7 +215,7 @@ def memory_step(v, batch, profile_rows: int) -> dict:
 
 
 def loader_rate(cfg, dp_rank: int, dp: int, seconds: float) -> float:
-    """Tokens/s per rank that loader.GlobalBatchLoader.next_step delivers on cfg.data (prepared into
+    """Tokens/s per rank that data_pipeline.loader.GlobalBatchLoader.next_step delivers on cfg.data (prepared into
     run_dir/data_<hash of the data settings> on rank 0 if needed); counts input tokens."""
     key = json.dumps(cfg.data.prepared_settings(), sort_keys=True)
     out = os.path.join(cfg.run_dir, f"data_{zlib.crc32(key.encode()):08x}")

@@ -28,12 +28,6 @@ SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 CONFIG_SCRIPTS_MARKERS = ("parse_config(", "command.main(")  # a script whose argv reaches config.parse_config
 PRESET_SECTIONS = {"model"}  # config.parse_config's presets: `preset = NAME` in [model]
 PLACEHOLDERS = {"section.field"}  # the docs' name for any override
-# Stale names in pages whose bodies are being rewritten elsewhere right now (docs/float8.md);
-# drop an entry once the page names the file's new path.
-PENDING = {
-    "docs/float8.md": ("../float8.py: no such file", "../parallelize.py: no such file",
-                       "`float8.py` is not a file", "`parallelize.py` is not a file"),
-}
 REPO_PATH = re.compile(r"^(configs|scripts|benchmarks|tests|docs)/[\w./-]+\.(py|sh|toml|md)$")
 
 
@@ -382,12 +376,8 @@ def named_file_problems(text: str) -> list[str]:
 
 # ---- Tests -----------------------------------------------------------------------------------
 
-def _pending(rel: str, problem: str) -> bool:
-    return any(known in problem for known in PENDING.get(rel, ()))
-
-
 def _all(check) -> list[str]:
-    return [f"{rel}:{p}" for rel in doc_files() for p in check(read(rel)) if not _pending(rel, p)]
+    return [f"{rel}:{p}" for rel in doc_files() for p in check(read(rel))]
 
 
 def test_readme_is_a_landing_page():
@@ -421,7 +411,7 @@ def test_toml_blocks_use_config_fields():
 
 
 def test_relative_links_resolve():
-    problems = [f"{rel}:{p}" for rel in doc_files() for p in link_problems(rel, read(rel)) if not _pending(rel, p)]
+    problems = [f"{rel}:{p}" for rel in doc_files() for p in link_problems(rel, read(rel))]
     assert not problems, "broken links:\n" + "\n".join(problems)
 
 
