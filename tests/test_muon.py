@@ -2,21 +2,94 @@
 
 The reference: torch's own optimizers on full tensors, Muon with adjust_lr_fn="match_rms_adamw"
 on the blocks' hidden matrices and AdamW on the rest, from the same initial weights and the
-same gradients (tests/muon_worker.py); 2 steps, so the momentum buffer is exercised.
+same gradients (tests/muon_worker.py); 2 steps, so the momentum buffer is exercised. On a CPU
+MuonAdamW runs Newton-Schulz in fp32, so the reference runs torch.optim.Muon with torch's
+iteration in fp32 (newton_schulz_reference below).
 """
+from unittest import mock
+
 import pytest
 import torch
+import torch.optim._muon
 
 from config import parse_config
 from launch import DEBUG, losses, torchrun
+from optimization import muon
 from optimization.muon import is_muon_matrix
 from optimization.optimizers import lr_factor
 
 RTOL = 1e-5
+KELLER_JORDAN = (3.4445, -4.7750, 2.0315)
+"""The quintic's coefficients, from https://github.com/KellerJordan/Muon (torch's DEFAULT_A, B, C)."""
+
+
+def newton_schulz_reference(g: torch.Tensor, dtype: torch.dtype, coefficients=KELLER_JORDAN, steps: int = 5,
+                            eps: float = 1e-7) -> torch.Tensor:
+    """torch.optim._muon._zeropower_via_newtonschulz written out, in `dtype` instead of bf16 (torch 2.13's source)."""
+    a, b, c = coefficients
+    tall = g.size(0) > g.size(1)
+    x = g.to(dtype, copy=True)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+SHAPES = [(128, 128), (64, 128), (384, 128), (128, 384), (768, 256), (3, 5)]
+
+
+def test_the_fp32_newton_schulz_is_torchs_iteration_in_fp32():
+    assert (torch.optim._muon.DEFAULT_A, torch.optim._muon.DEFAULT_B, torch.optim._muon.DEFAULT_C) == KELLER_JORDAN
+    gen = torch.Generator().manual_seed(0)
+    for shape in SHAPES:
+        g = torch.randn(shape, generator=gen)
+        before = g.clone()
+        # The written-out reference is torch's function: in bf16 it gives torch's bits.
+        assert torch.equal(newton_schulz_reference(g, torch.bfloat16),
+                           torch.optim._muon._zeropower_via_newtonschulz(g, KELLER_JORDAN, 5, 1e-7)), shape
+        got = muon.newton_schulz_fp32(g, KELLER_JORDAN, 5, 1e-7)
+        assert got.dtype == torch.float32 and got.shape == shape and torch.equal(g, before)
+        exact = newton_schulz_reference(g, torch.float64)
+        # fp32 rounding leaves ~3e-6 of the largest entry; bf16's leaves ~2e-2.
+        assert (got.double() - exact).abs().max() <= 2e-5 * exact.abs().max(), shape
+        torch.testing.assert_close(got, newton_schulz_reference(g, torch.float32))
+
+
+@pytest.mark.parametrize("native_bf16", [False, True], ids=["no_bf16_units", "bf16_units"])
+def test_muon_adamw_on_a_cpu_runs_newton_schulz_in_fp32(monkeypatch, native_bf16):
+    # The rule is the device type: fp32 on every CPU, with or without bf16 units; torch's bf16 on a GPU.
+    monkeypatch.setattr("parallel.distributed.cpu_has_native_bf16", lambda: native_bf16)
+    assert muon.newton_schulz_for(torch.device("cpu")) is muon.newton_schulz_fp32
+    assert muon.newton_schulz_for(torch.device("cuda", 0)) is torch.optim._muon._zeropower_via_newtonschulz
+    gen = torch.Generator().manual_seed(0)
+    # float64 weights, so that the update is all the difference holds (fp32 weights would round it).
+    w0, grad = (torch.randn(384, 128, generator=gen, dtype=torch.float64) for _ in range(2))
+    w = torch.nn.Parameter(w0.clone())
+    w.grad = grad.clone()
+    lr, mu = 0.01, 0.95
+    muon.MuonAdamW([{"params": [w], "muon": True}], lr=lr, momentum=mu).step()
+    # torch.optim.Muon's first step by hand: buffer (1 - mu) g, Nesterov update g + mu (buf - g), scaled LR.
+    update = grad.lerp((1 - mu) * grad, mu)
+    want = -lr * 0.2 * 384 ** 0.5 * newton_schulz_reference(update, torch.float64)
+    assert (w.detach() - w0 - want).abs().max() <= 2e-5 * want.abs().max()  # bf16's iteration misses by ~2e-2
 
 
 def reference(result: dict) -> dict:
-    """The parameters after the worker's steps, from torch.optim.Muon and torch.optim.AdamW on full tensors."""
+    """The parameters after the worker's steps, from torch.optim.Muon and torch.optim.AdamW on full tensors.
+
+    torch.optim.Muon runs with newton_schulz_reference in fp32 in place of its bf16 iteration,
+    as MuonAdamW does on a CPU (the worker's device).
+    """
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz",
+                           lambda g, coefficients, steps, eps: newton_schulz_reference(g, torch.float32, coefficients,
+                                                                                        steps, eps)):
+        return _reference(result)
+
+
+def _reference(result: dict) -> dict:
     o = parse_config(["--config", DEBUG]).optim
     lr = o.lr * lr_factor(0, o.warmup_steps, 200, o.min_lr_ratio)  # the worker never steps the schedule
     params = {n: torch.nn.Parameter(t.clone()) for n, t in result["init"].items()}
