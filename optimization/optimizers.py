@@ -37,7 +37,7 @@ class OptimConfig:
     muon_momentum: float = 0.95
     """Muon: momentum (Nesterov), torch.optim.Muon's default."""
     min_lr_ratio: float = 0.0
-    """Final LR of the cosine decay, as a fraction of lr."""
+    """LR of the last step (train.steps) of every schedule, as a fraction of lr."""
     warmup_steps: int = 1000
     """Steps of linear warmup from lr/warmup_steps to lr."""
     beta1: float = 0.9
@@ -76,23 +76,35 @@ class OptimConfig:
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_ratio: float, schedule: str = "cosine",
               decay_fraction: float = 0.2, decay_shape: str = "linear") -> float:
-    """Multiplier of the peak LR for the optimizer step that follows `step` completed steps.
+    """Multiplier of the peak LR for the optimizer step that follows `step` completed steps (step k = step + 1).
 
-    Linear warmup: (step + 1) / warmup_steps for the first warmup_steps steps. Then:
-    cosine: min_ratio + (1 - min_ratio) * (1 + cos(pi * p)) / 2, p = (step - W) / (T - W)
-    (Loshchilov & Hutter, SGDR, 2017); linear: min_ratio + (1 - min_ratio) * (1 - p); wsd:
-    1 until the last D = max(1, round(decay_fraction * T)) steps, then min_ratio + (1 - min_ratio)
-    * f(q), q = (step - (T - D)) / D, f = 1 - q ('linear') or 1 - sqrt(q) ('1-sqrt') (Hagele et
-    al., "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", 2024).
-    p and q are clamped to [0, 1]. Units: optimizer steps.
+    Step k of T (1-indexed, what metrics.jsonl logs) runs at: k / W for k <= W (linear warmup,
+    the peak at step W), then decayed(k, W, T): the peak at step W, min_ratio at step T (the
+    last step). Units: optimizer steps.
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
+    return decayed(step + 1, warmup_steps, total_steps, min_ratio, schedule, decay_fraction, decay_shape)
+
+
+def decayed(k: float, warmup_steps: int, total: float, min_ratio: float, schedule: str = "cosine",
+            decay_fraction: float = 0.2, decay_shape: str = "linear") -> float:
+    """The schedule after the warmup, for the step that ends at position k (of total; steps, or samples / first batch).
+
+    cosine: min_ratio + (1 - min_ratio) * (1 + cos(pi * p)) / 2, p = (k - W) / (T - W)
+    (Loshchilov & Hutter, SGDR, 2017); linear: min_ratio + (1 - min_ratio) * (1 - p); wsd:
+    1 until the last D = max(1, round(decay_fraction * T)), then min_ratio + (1 - min_ratio)
+    * f(q), q = (k - (T - D)) / D, f = 1 - q ('linear') or 1 - sqrt(q) ('1-sqrt') (Hagele et
+    al., "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations", 2024).
+    p and q are clamped to [0, 1]. Positions are those at the end of the step, so the decay
+    covers the steps after W (or the last D) and the last step, k = T, runs at exactly
+    min_ratio (as torchtitan's WSD, which counts step + 1).
+    """
     if schedule == "wsd":
-        decay = max(1, round(decay_fraction * total_steps))
-        q = min(1.0, max(0.0, (step - (total_steps - decay)) / decay))
+        decay = max(1, round(decay_fraction * total))
+        q = min(1.0, max(0.0, (k - (total - decay)) / decay))
         return min_ratio + (1 - min_ratio) * (1 - (math.sqrt(q) if decay_shape == "1-sqrt" else q))
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = min(1.0, max(0.0, (k - warmup_steps) / max(1, total - warmup_steps)))
     if schedule == "linear":
         return min_ratio + (1 - min_ratio) * (1 - progress)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -114,13 +126,15 @@ def scheduled_factor(step: int, warmup_steps: int, total_steps: int, batch_sched
                      **shape) -> float:
     """lr_factor for the step after `step` completed steps: warmup in steps, the rest in samples (schedule_position).
 
-    shape: lr_factor's min_ratio, schedule, decay_fraction, decay_shape. The stages only grow the
-    batch (config checks), so the position is >= step and never falls back into the warmup.
+    shape: lr_factor's min_ratio, schedule, decay_fraction, decay_shape. After the warmup the
+    step is placed by the samples done at its end, schedule_position(step + 1), against those
+    of the whole run, so the last step runs at min_ratio. The stages only grow the batch
+    (config checks), so the position is >= the step's own count.
     """
     if step < warmup_steps:
         return lr_factor(step, warmup_steps, total_steps, **shape)
-    return lr_factor(schedule_position(step, batch_schedule), warmup_steps,
-                     schedule_position(total_steps, batch_schedule), **shape)
+    return decayed(schedule_position(step + 1, batch_schedule), warmup_steps,
+                   schedule_position(total_steps, batch_schedule), **shape)
 
 
 def reapply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:

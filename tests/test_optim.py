@@ -1,14 +1,17 @@
 """The optimizer's LR schedule against its closed form, and which parameters get weight decay.
 
-The references are written out here, not taken from optim.py: linear warmup (step + 1) / W
-to the peak, then cosine decay (Loshchilov & Hutter, SGDR, 2017) from lr to min_lr over the
-steps W..T; weight decay on the 2-D weight matrices, embeddings and output included, never
-on the RMSNorm gains (nanoGPT's rule; the Llama names of this model's parameters).
+The references are written out here, not taken from optimizers.py. Optimizer step k = 1..T
+(lrs[k - 1] below; the `step` of its metrics.jsonl record) runs at lr k / W for k <= W (linear
+warmup to the peak at step W), then cosine decay (Loshchilov & Hutter, SGDR, 2017) from lr at
+step W to min_lr at step T, the last: p = (k - W) / (T - W). Weight decay on the 2-D weight
+matrices, embeddings and output included, never on the RMSNorm gains (nanoGPT's rule; the
+Llama names of this model's parameters).
 """
 import math
 
 import pytest
 
+from launch import debug_run, metrics, prepared_data_dir
 from model import ModelArgs, Transformer
 from optimization.optimizers import OptimConfig, build_optimizer, reapply_schedule
 
@@ -17,7 +20,7 @@ LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110
 
 
 def lrs_by_step(cfg: OptimConfig, total_steps: int, n: int) -> list[list[float]]:
-    """Every param group's LR for the optimizer steps 0..n-1, stepped as the trainer does (step, then schedule)."""
+    """Every param group's LR for the optimizer steps 1..n (index k - 1), stepped as the trainer does (step, then schedule)."""
     optimizer, scheduler = build_optimizer(Transformer(ARGS), cfg, total_steps, fused=False)
     seen = []
     for _ in range(n):
@@ -33,26 +36,26 @@ def lrs():
     return lrs_by_step(cfg, TOTAL, TOTAL + 6)
 
 
-@pytest.mark.parametrize("step, want", [
-    (0, LR / WARMUP),                                            # the first update: lr / W, not 0
-    (4, LR * 5 / WARMUP),                                        # linear warmup: lr (step + 1) / W
-    (WARMUP - 1, LR),                                            # the last warmup step reaches the peak
-    (WARMUP, LR),                                                # the peak, where the cosine starts
-    (WARMUP + 25, MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi / 4)) / 2),  # a quarter of the decay
-    (WARMUP + 50, (LR + MIN_LR) / 2),                            # half-way: cos(pi/2) = 0
-    (TOTAL - 1, MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * 99 / 100)) / 2),
-    (TOTAL, MIN_LR),                                             # the end: min LR
+@pytest.mark.parametrize("step, want", [  # step: the index k - 1 of optimizer step k
+    (0, LR / WARMUP),                                            # the first update (k = 1): lr / W, not 0
+    (4, LR * 5 / WARMUP),                                        # linear warmup: lr k / W
+    (WARMUP - 1, LR),                                            # the last warmup step (k = W) reaches the peak
+    (WARMUP, MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi / 100)) / 2),  # the cosine's first step
+    (WARMUP + 24, MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi / 4)) / 2),  # a quarter of the decay
+    (WARMUP + 49, (LR + MIN_LR) / 2),                            # half-way: cos(pi/2) = 0
+    (TOTAL - 2, MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * 99 / 100)) / 2),
+    (TOTAL - 1, MIN_LR),                                         # the last step, k = T: min LR
     (TOTAL + 5, MIN_LR),                                         # and it stays there
 ])
 def test_lr_schedule_matches_the_closed_form(lrs, step, want):
     assert lrs[step] == pytest.approx([want, want], rel=1e-12), step
 
 
-def test_lr_without_warmup_starts_at_the_peak_and_decays_to_zero():
+def test_lr_without_warmup_decays_from_the_peak_to_zero_at_the_last_step():
     seen = lrs_by_step(OptimConfig(lr=LR, min_lr_ratio=0.0, warmup_steps=0), 4, 5)
-    # min_lr 0: lr (1 + cos(pi step / 4)) / 2 at steps 0..4
-    assert [s[0] for s in seen] == pytest.approx([LR, LR * (1 + math.sqrt(0.5)) / 2, LR / 2,
-                                                  LR * (1 - math.sqrt(0.5)) / 2, 0.0], rel=1e-12, abs=1e-18)
+    # min_lr 0, W 0: lr (1 + cos(pi k / 4)) / 2 at steps k = 1..4 (the peak is k = 0), then 0
+    assert [s[0] for s in seen] == pytest.approx([LR * (1 + math.sqrt(0.5)) / 2, LR / 2,
+                                                  LR * (1 - math.sqrt(0.5)) / 2, 0.0, 0.0], rel=1e-12, abs=1e-18)
 
 
 def test_weight_decay_is_on_exactly_the_weight_matrices_and_every_parameter_is_in_one_group():
@@ -77,21 +80,23 @@ def test_weight_decay_is_on_exactly_the_weight_matrices_and_every_parameter_is_i
     assert len(in_groups) == len(set(in_groups)) == len(name_of)  # each parameter exactly once
 
 
-D = 20  # WSD: decay over the last decay_fraction 0.2 of TOTAL = 110 steps, round(22) = 22
-WSD_START = TOTAL - 22
+D = 22  # WSD: decay over the last decay_fraction 0.2 of TOTAL = 110 steps, round(22) = 22
+WSD_START = TOTAL - D  # step 88 is the last at the peak; steps 89..110 decay, q = (k - 88) / 22
 
 
-@pytest.mark.parametrize("schedule, shape, step, want", [
+@pytest.mark.parametrize("schedule, shape, step, want", [  # step: the index k - 1 of optimizer step k
     ("wsd", "linear", 0, LR / WARMUP),                         # warmup as for cosine
     ("wsd", "linear", WARMUP, LR),                             # stable at the peak ...
-    ("wsd", "linear", WSD_START, LR),                          # ... until the decay starts
-    ("wsd", "linear", WSD_START + 11, (LR + MIN_LR) / 2),      # half-way down, linear
-    ("wsd", "1-sqrt", WSD_START + 11, MIN_LR + (LR - MIN_LR) * (1 - math.sqrt(0.5))),
-    ("wsd", "1-sqrt", WSD_START + 22, MIN_LR),                 # the end: min LR
+    ("wsd", "linear", WSD_START - 1, LR),                      # ... until step 88
+    ("wsd", "linear", WSD_START, LR - (LR - MIN_LR) / D),      # step 89: one D-th of the way down
+    ("wsd", "linear", WSD_START + 10, (LR + MIN_LR) / 2),      # step 99: half-way down, linear
+    ("wsd", "1-sqrt", WSD_START + 10, MIN_LR + (LR - MIN_LR) * (1 - math.sqrt(0.5))),
+    ("wsd", "1-sqrt", TOTAL - 1, MIN_LR),                      # the last step, k = T: min LR
+    ("wsd", "linear", TOTAL - 1, MIN_LR),
     ("wsd", "linear", TOTAL + 3, MIN_LR),
-    ("linear", "linear", WARMUP + 50, (LR + MIN_LR) / 2),      # linear from the peak at W to min at T
-    ("linear", "linear", WARMUP + 25, MIN_LR + (LR - MIN_LR) * 0.75),
-    ("linear", "linear", TOTAL, MIN_LR),
+    ("linear", "linear", WARMUP + 49, (LR + MIN_LR) / 2),      # linear from the peak at W to min at T
+    ("linear", "linear", WARMUP + 24, MIN_LR + (LR - MIN_LR) * 0.75),
+    ("linear", "linear", TOTAL - 1, MIN_LR),
 ])
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_each_schedule_matches_its_closed_form_for_every_group(name, schedule, shape, step, want):
@@ -120,7 +125,7 @@ def test_schedule_after_loading_follows_this_runs_total_steps():
     gives that run's closed form from step k on (not the saved run's LR)."""
     stable = OptimConfig(lr=LR, min_lr_ratio=MIN_LR / LR, warmup_steps=WARMUP, schedule="wsd", decay_fraction=0.2)
     opt, sched = build_optimizer(Transformer(ARGS), stable, 1000, fused=False)
-    k, n = 60, 70  # the branch decays over its last 14 steps: 56..69, so step 60 is already in the decay
+    k, n = 60, 70  # the branch decays over its last 14 steps, 57..70, so step 61 is already in the decay
     for _ in range(k):
         opt.step()
         sched.step()
@@ -129,8 +134,28 @@ def test_schedule_after_loading_follows_this_runs_total_steps():
     branch_opt.load_state_dict(opt.state_dict())
     branch.load_state_dict(sched.state_dict())
     reapply_schedule(branch)  # what checkpoint.AppState.load_state_dict does
-    for step in range(k, n + 1):
-        want = MIN_LR + (LR - MIN_LR) * (1 - min(1.0, (step - 56) / 14))
+    for step in range(k, n + 1):  # the LR of step step + 1
+        want = MIN_LR + (LR - MIN_LR) * (1 - min(1.0, (step + 1 - 56) / 14))
         assert [g["lr"] for g in branch_opt.param_groups] == pytest.approx([want, want], rel=1e-12), step
         branch_opt.step()
         branch.step()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["wsd", "cosine", "linear"])
+def test_the_logged_lr_of_the_last_step_is_min_lr_ratio_times_lr(tmp_path, schedule):
+    # The debug config: lr 3e-3, min_lr_ratio 0.1. 6 steps, warmup 2; WSD decays over the last
+    # round(0.5 * 6) = 3 steps (4, 5, 6). The record of step k logs the LR that step k ran at.
+    lr, low, total, warmup = 3e-3, 3e-4, 6, 2
+    p = [(k - warmup) / (total - warmup) for k in range(3, total + 1)]  # steps 3..6 after the warmup
+    after = {"wsd": [lr, lr - (lr - low) / 3, lr - 2 * (lr - low) / 3, low],
+             "cosine": [low + (lr - low) * (1 + math.cos(math.pi * x)) / 2 for x in p],
+             "linear": [low + (lr - low) * (1 - x) for x in p]}[schedule]
+    want = [lr / 2, lr, *after]
+    prepared_data_dir(tmp_path)
+    debug_run(1, tmp_path, "--train.steps", str(total), "--optim.warmup_steps", str(warmup), "--optim.schedule",
+              schedule, "--optim.decay_fraction", "0.5", "--train.val_interval", "0", "--checkpoint.interval", "100")
+    logged = {r["step"]: r["lr"] for r in metrics(tmp_path) if "lr" in r}
+    assert sorted(logged) == list(range(1, total + 1))
+    assert [logged[k] for k in range(1, total + 1)] == pytest.approx(want, rel=1e-12)
+    assert logged[total] == pytest.approx(0.1 * 3e-3, rel=1e-12)  # min_lr_ratio * lr, the issue's expectation

@@ -102,14 +102,16 @@ def test_a_batch_ramp_reads_the_same_stream_as_a_constant_batch(corpus, dp):
 
 def test_the_schedule_runs_in_samples_across_batch_stages():
     # 16 per step for 16 steps, then 32 for 24: 1024 samples = 64 steps of 16. WSD decays over the last
-    # half of the samples, 512 = from position 32 = step 24; at step 32 (position 48) it is half-way.
+    # half of the samples, 512 = from position 32, the end of step 24. fn(n) is the factor of step n + 1,
+    # placed by the samples at its end: step 25 ends at 34, step 32 at 48 (half-way), step 40 at 64 (min).
     cfg = OptimConfig(schedule="wsd", decay_fraction=0.5, warmup_steps=4, min_lr_ratio=0.1)
     _, sched = build_optimizer(torch.nn.Linear(2, 2), cfg, 40, fused=False, batch_schedule=[(0, 16), (16, 32)])
     fn = sched.lr_lambdas[0]
     assert fn(2) == lr_factor(2, 4, 40, 0.1)  # the warmup counts steps
-    assert fn(10) == fn(24) == 1.0
-    assert math.isclose(fn(32), 0.1 + 0.9 * 0.5)
-    assert math.isclose(fn(40), 0.1)
+    assert fn(10) == fn(23) == 1.0
+    assert math.isclose(fn(24), 0.1 + 0.9 * (1 - 2 / 32))
+    assert math.isclose(fn(31), 0.1 + 0.9 * 0.5)
+    assert math.isclose(fn(39), 0.1)
     # Without stages, the schedule is the one of steps.
     _, plain = build_optimizer(torch.nn.Linear(2, 2), cfg, 40, fused=False)
     assert all(plain.lr_lambdas[0](k) == lr_factor(k, 4, 40, 0.1, "wsd", 0.5) for k in range(41))
