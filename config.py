@@ -222,7 +222,8 @@ def validate(cfg: Config, world_size: int) -> None:
     cannot be used (unknown scheme, no credentials, no such bucket, no endpoint), a
     data.prepared whose meta.json does not match the data settings; a MissingPackageError for
     metrics.tensorboard or metrics.wandb without its package, or an s3:// URL without s3fs;
-    and train.float8's checks (float8.check: torchao, parallel.tp 1, a float8-capable GPU).
+    and train.float8's checks (float8.check: torchao, parallel.tp 1, a float8-capable GPU; on a CPU
+    rank 0 prints its notice that float8 is only emulated).
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
