@@ -212,6 +212,7 @@ def test_bad_mesh_fails_before_the_process_group(monkeypatch, capsys, tmp_path, 
     assert rc == 2 and expected in err, err
 
 
+@pytest.mark.slow
 def test_cli_exits_2_without_waiting_for_peers(tmp_path):
     # Rank 0 of 4 with no peers: creating the process group would block until the timeout.
     port = str(distributed.free_port())

@@ -60,6 +60,7 @@ def _assert_same_state(a, b):
 
 
 @pytest.mark.parametrize("steps", [0, 3, 25])  # before the first step, in warmup (20 steps), after it
+@pytest.mark.slow
 def test_every_piece_of_state_round_trips(tmp_path, single_rank_group, steps):
     a = _session(tmp_path / "a")
     _steps(a, steps)
@@ -109,6 +110,7 @@ def _flatten(d, prefix=""):
     return out
 
 
+@pytest.mark.slow
 def test_half_written_checkpoints_are_skipped_and_keep_k_leaves_k(tmp_path, single_rank_group):
     rd = tmp_path / "run"
     s = _session(rd, "--checkpoint.keep", "2")

@@ -158,6 +158,7 @@ def test_evaluate_names_a_missing_run(tmp_path, capsys):
     ("generate.py", ["--run_dir", "nope", "--device", "banana"], "argument --device: 'banana' is not a device"),
     ("train_fsdp.py", ["--config", "{bad}"], "is not UTF-8 text"),
 ])
+@pytest.mark.slow
 def test_a_real_command_line_prints_one_line_and_exits_2(tmp_path, script, argv, words):
     bad = tmp_path / "bad.toml"
     bad.write_bytes(b"\xff\xfe")

@@ -113,6 +113,7 @@ def _step_loss(model, tokens):
     return loss.item(), {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_compile_composes_with_float8(single_rank_group):
     # The compiled float8 model against the eager float8 model of the same weights: the casts,
     # scales and matmuls traced by torch.compile compute what torchao's eager code does.
@@ -131,6 +132,7 @@ def _state_kinds(s):
             for k, v in s.app.state_dict()["model"].items()}
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_the_same_plain_tensors_and_resume_across_the_setting(tmp_path, single_rank_group):
     plain, f8 = _session(tmp_path / "plain"), _session(tmp_path / "f8", *F8)
     kinds = _state_kinds(plain)
@@ -192,6 +194,7 @@ def fp32_losses(tmp_path_factory, single_rank_group):
 
 
 @pytest.mark.parametrize("recipe", float8.RECIPES)
+@pytest.mark.slow
 def test_30_float8_steps_track_the_fp32_loss(tmp_path, fp32_losses, recipe):
     ref, got = fp32_losses, _losses(tmp_path / recipe, "--train.float8", recipe)
     assert got[1] != ref[1]  # float8 is applied

@@ -20,6 +20,7 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
     return zipfile.ZipFile(whl)
 
 
+@pytest.mark.slow
 def test_wheel_installs_no_module(wheel):
     """No top-level name (data, model, distributed, evaluate, ...) can reach site-packages."""
     outside = [n for n in wheel.namelist() if ".dist-info/" not in n]
@@ -37,6 +38,7 @@ def test_wheel_carries_the_dependencies(wheel):
     assert any(r.startswith("safetensors") and "extra == \"hf\"" in r for r in requires)
 
 
+@pytest.mark.slow
 def test_every_module_of_the_checkout_imports_from_it():
     """The modules that the wheel leaves out are whole in the checkout: each imports from the root."""
     mods = sorted(modules())

@@ -430,6 +430,7 @@ def _legacy_data_dir(rd) -> None:
                    "n_documents": record["n_documents"], "work_units": record["work_units"], "config": old}, f)
 
 
+@pytest.mark.slow
 def test_a_run_directory_from_before_mixtures_trains_and_resumes(tmp_path, single_rank_group):
 
     rd = tmp_path / "old"

@@ -100,6 +100,7 @@ def test_storage_reads_writes_lists_and_removes_on_the_server(s3):
     assert not fs.exists(f"{root}/a/x.bin")
 
 
+@pytest.mark.slow
 def test_a_store_gone_for_a_moment_is_retried_with_backoff(s3, monkeypatch):
     relay = Relay(int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{relay.port}")

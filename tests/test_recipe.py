@@ -120,6 +120,7 @@ def test_the_schedule_runs_in_samples_across_batch_stages():
 SPIKE = ["--train.spike_skip", "3", "--train.spike_window", "8", "--optim.warmup_steps", "2"]
 
 
+@pytest.mark.slow
 def test_the_spike_guard_skips_a_planted_spike_and_only_it(tmp_path, single_rank_group):
     prepared_data_dir(tmp_path)
     cfg = parse_config(["--config", DEBUG, "--run_dir", str(tmp_path), "--train.steps", "16", *SPIKE])

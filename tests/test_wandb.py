@@ -40,6 +40,7 @@ def offline(monkeypatch):
     wandb.teardown()  # the wandb-core service this process started
 
 
+@pytest.mark.slow
 def test_a_resume_past_the_last_checkpoint_rewinds_w_and_b_to_one_row_per_step(tmp_path, offline):
     first = MetricsLog(str(tmp_path), True, 0, CFG, {"train": {"steps": 6}})
     log_steps(first, range(1, 7), 1.0)
