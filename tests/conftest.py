@@ -1,4 +1,5 @@
 """Shared test set-up: offline Hugging Face and W&B, the project root importable, CPU only."""
+import json
 import os
 import sys
 
@@ -20,24 +21,45 @@ from launch import DEBUG, GRAD_STEPS, REFERENCE_ARGS, debug_run, prepared_data_d
 from parallel import distributed  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def worker(tmp_path_factory):
-    """worker(nproc, tp, *overrides): tests/grad_worker.py's result over GRAD_STEPS steps, run once per session."""
-    cache = {}
+class GradRuns:
+    """grads(nproc, tp, *overrides): tests/grad_worker.py's result over GRAD_STEPS steps, each run once per session.
 
-    def get(nproc: int, tp: int, *overrides: str) -> dict:
+    prefetch(keys) runs every missing (nproc, tp, *overrides) of keys with one torchrun launch per
+    world size (grad_worker.py --jobs): a module that compares many layouts pays torchrun's and
+    its workers' start-up once per world size instead of once per layout.
+    """
+
+    def __init__(self, tmp_path_factory):
+        self.tmp, self.cache = tmp_path_factory, {}
+
+    def __call__(self, nproc: int, tp: int, *overrides: str) -> dict:
         key = (nproc, tp, *overrides)
-        if key not in cache:
-            rd = tmp_path_factory.mktemp(f"grads_{nproc}_tp{tp}")
-            prepared_data_dir(rd)
-            out = rd / "result.pt"
-            torchrun(nproc, "tests/grad_worker.py", "--out", str(out), "--tp", str(tp), "--config", DEBUG,
-                     "--run_dir", str(rd), "--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000",
-                     "--train.val_interval", "0", *overrides, timeout=240)
-            cache[key] = torch.load(out)
-        return cache[key]
+        self.prefetch([key])
+        return self.cache[key]
 
-    return get
+    def prefetch(self, keys) -> None:
+        missing = [k for k in dict.fromkeys(tuple(k) for k in keys) if k not in self.cache]
+        for nproc in sorted({k[0] for k in missing}):
+            batch = [k for k in missing if k[0] == nproc]
+            root = self.tmp.mktemp(f"grads_{nproc}")
+            jobs = []
+            for i, (_, tp, *overrides) in enumerate(batch):
+                rd = root / f"job{i}"
+                prepared_data_dir(rd)
+                jobs.append(["--out", str(rd / "result.pt"), "--tp", str(tp), "--config", DEBUG, "--run_dir", str(rd),
+                             "--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000",
+                             "--train.val_interval", "0", *overrides])
+            with open(root / "jobs.json", "w") as f:
+                json.dump(jobs, f)
+            torchrun(nproc, "tests/grad_worker.py", "--jobs", str(root / "jobs.json"), timeout=180 + 60 * len(batch))
+            for key, job in zip(batch, jobs):
+                self.cache[key] = torch.load(job[1])
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory) -> GradRuns:
+    """The session's GradRuns: worker(nproc, tp, *overrides) and worker.prefetch(keys)."""
+    return GradRuns(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

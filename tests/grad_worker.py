@@ -2,6 +2,10 @@
 
     torchrun --nproc_per_node=N tests/grad_worker.py --out FILE [--tp T] --config configs/debug.toml \
         --run_dir DIR --train.steps S [--section.field VALUE ...]
+    torchrun --nproc_per_node=N tests/grad_worker.py --jobs FILE    # a JSON list of such argument lists
+
+With --jobs, one launch runs every job in turn in the same process group (a job per layout of
+this world size: the start-up of torchrun and of its workers is paid once).
 
 Builds the run as the trainers do (build; with --tp T > 1 on the ("dp", "tp") mesh
 with train_2d's plan and loss_parallel), then runs the loop's own step, train_step,
@@ -20,6 +24,8 @@ saves with torch.save a dict:
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import sys
 
@@ -53,16 +59,20 @@ def replica_spread(model, tp_mesh) -> dict[str, float]:
     return out
 
 
-def main() -> None:
+def run_job(argv: list[str]) -> None:
+    """One job: build the run of argv (see the module's docstring), train its steps, rank 0 saves the result."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="file that rank 0 writes")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (1: FSDP only)")
     parser.add_argument("--logits_of", default="", help="a torch.save'd (B, T) int64 token batch to run first")
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     cfg = parse_config([*overrides, "--parallel.tp", str(args.tp)])
     plan = train_2d.PLAN if args.tp > 1 else None
     check_run(cfg, distributed.world_size(), plan, train_2d.check_tp_layout)
-    rank, world, device = distributed.init_distributed(cfg.train.device)
+    if not dist.is_initialized():
+        distributed.init_distributed(cfg.train.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = distributed.resolve_device(cfg.train.device, distributed.local_rank())
     s = build(cfg, rank, world, device, plan, resume=False)
     result = {"losses": [], "grad_norms": [], "grads": [], "replicated": {},
               "init": {name: p.full_tensor().detach().cpu().clone() for name, p in s.model.named_parameters()}}
@@ -91,6 +101,18 @@ def main() -> None:
         result["replicated"] = replica_spread(s.model, s.mesh["tp"])
     if rank == 0:
         torch.save(result, args.out)
+    del s
+    gc.collect()
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--jobs"]:
+        with open(sys.argv[2]) as f:
+            jobs = json.load(f)
+    else:
+        jobs = [sys.argv[1:]]
+    for argv in jobs:
+        run_job(argv)
     distributed.finish_distributed()
 
 

@@ -21,6 +21,7 @@ LOSS_RTOL = 1e-5
 # Per-tensor relative L2 error of a whole gradient; reduction order alone gives ~2e-6 here,
 # a gradient missing a reduction over TP or DP is off by O(1).
 GRAD_RTOL = 2e-5
+DOCMASK_LAYOUTS = [(1, 1), (2, 1), (2, 2)]  # (ranks, tp) of the document-masked logits test
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +45,11 @@ def packed_tokens(tmp_path_factory):
     return str(path), spans
 
 
-@pytest.mark.parametrize("nproc, tp", [(1, 1), (2, 1), (2, 2)], ids=["ws1", "fsdp2", "dp1xtp2"])
+@pytest.mark.parametrize("nproc, tp", DOCMASK_LAYOUTS, ids=["ws1", "fsdp2", "dp1xtp2"])
 @pytest.mark.slow
-def test_document_masked_logits_equal_each_document_alone(worker, packed_tokens, nproc, tp):
+def test_document_masked_logits_equal_each_document_alone(grads, packed_tokens, nproc, tp):
     path, spans = packed_tokens
-    got = worker(nproc, tp, *DOCMASK, "--logits_of", path)["logits"]
+    got = grads(nproc, tp, *DOCMASK, "--logits_of", path)["logits"]
     # The reference: the same initial weights in one process, each document alone from position 0.
     model = Transformer(ModelArgs(**PRESETS["debug"], document_mask=True))
     model.init_weights(seed=0)
@@ -69,7 +70,7 @@ HSDP = ("--parallel.dp_replicate", "2")
 Z_LOSS = ("--train.z_loss", "0.01")  # 100x PaLM's, so that the term moves the gradients measurably
 
 
-@pytest.mark.parametrize("nproc, tp, overrides, reference", [
+LAYOUT_CASES = [
     (2, 1, (), ()),  # plain FSDP on 2 ranks: same initial weights, losses and gradients as 1 process
     (2, 2, ("--train.micro_batch_size", "4"), ()),  # and 4 accumulated micro-batches against one batch of 16
     (4, 2, (), ()),
@@ -87,11 +88,24 @@ Z_LOSS = ("--train.z_loss", "0.01")  # 100x PaLM's, so that the term moves the g
     (4, 2, HSDP, ()),
     # The z-loss vocabulary-parallel (its logsumexp from the shards) against full logits in one process.
     (2, 2, Z_LOSS, Z_LOSS),
-], ids=["fsdp2", "dp1xtp2_accumulating", "dp2xtp2", "chunked_ws1_accumulating", "chunked_fsdp2_accumulating",
-        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2", "zloss_dp1xtp2"])
+]
+LAYOUT_IDS = ["fsdp2", "dp1xtp2_accumulating", "dp2xtp2", "chunked_ws1_accumulating", "chunked_fsdp2_accumulating",
+        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2", "zloss_dp1xtp2"]
+
+
+@pytest.fixture(scope="module")
+def grads(worker, packed_tokens):
+    """The session's worker, with every run this module compares fetched at once: one launch per world size."""
+    path = packed_tokens[0]
+    worker.prefetch([(1, 1, *ref) for *_, ref in LAYOUT_CASES] + [(n, tp, *o) for n, tp, o, _ in LAYOUT_CASES]
+                    + [(n, tp, *DOCMASK, "--logits_of", path) for n, tp in DOCMASK_LAYOUTS] + [(4, 2)])
+    return worker
+
+
+@pytest.mark.parametrize("nproc, tp, overrides, reference", LAYOUT_CASES, ids=LAYOUT_IDS)
 @pytest.mark.slow
-def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, overrides, reference):
-    ref, got = worker(1, 1, *reference), worker(nproc, tp, *overrides)
+def test_layouts_match_one_process_in_losses_and_gradients(grads, nproc, tp, overrides, reference):
+    ref, got = grads(1, 1, *reference), grads(nproc, tp, *overrides)
     # Initial weights do not depend on world size or layout: bit for bit.
     assert got["init"].keys() == ref["init"].keys()
     assert all(torch.equal(got["init"][k], v) for k, v in ref["init"].items())
@@ -111,10 +125,10 @@ def test_layouts_match_one_process_in_losses_and_gradients(worker, nproc, tp, ov
 
 
 @pytest.mark.slow
-def test_replicated_norm_weights_stay_identical_across_tp_ranks(worker):
+def test_replicated_norm_weights_stay_identical_across_tp_ranks(grads):
     # Their gradients are compared with one process above: each TP rank sees a slice of the
     # sequence, so an unreduced gradient would be a partial sum.
-    spread = worker(4, 2)["replicated"]
+    spread = grads(4, 2)["replicated"]
     n_layers = PRESETS["debug"]["n_layers"]
     norms = {f"layers.{i}.{n}.weight" for i in range(n_layers) for n in ("attention_norm", "ffn_norm")}
     assert set(spread) == norms | {"norm.weight"}

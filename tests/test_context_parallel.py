@@ -36,17 +36,30 @@ def test_a_slice_keeps_the_positions_and_documents_of_the_whole_window():
     assert causal.doc is None and causal.positions.tolist() == [[4, 5, 6, 7]] * 2
 
 
-@pytest.mark.parametrize("nproc, tp, layout, reference", [
+CP_CASES = [
     (2, 1, (*MHA, *CP2), MHA),
     (2, 1, (*MHA, *DOCMASK, *CP2), (*MHA, *DOCMASK)),
     (4, 1, (*MHA, *DOCMASK, *CP2), (*MHA, *DOCMASK)),
     (4, 2, (*MHA, *DOCMASK, *CP2), (*MHA, *DOCMASK)),
     (4, 1, (*MHA, *DOCMASK, "--parallel.cp", "4"), (*MHA, *DOCMASK)),
-], ids=["causal_cp2", "docmask_cp2", "docmask_dp2xcp2", "docmask_cp2xtp2", "docmask_cp4"])
+]
+CP_IDS = ["causal_cp2", "docmask_cp2", "docmask_dp2xcp2", "docmask_cp2xtp2", "docmask_cp4"]
+
+
+@pytest.fixture(scope="module")
+def grads(worker, packed_tokens):  # noqa: F811
+    """The session's worker, with every run this module compares fetched at once: one launch per world size."""
+    path = packed_tokens[0]
+    worker.prefetch([(1, 1, *ref, "--logits_of", path) for *_, ref in CP_CASES]
+                    + [(n, tp, *layout, "--logits_of", path) for n, tp, layout, _ in CP_CASES])
+    return worker
+
+
+@pytest.mark.parametrize("nproc, tp, layout, reference", CP_CASES, ids=CP_IDS)
 @pytest.mark.slow
-def test_context_parallel_layouts_match_one_process(worker, packed_tokens, nproc, tp, layout, reference):  # noqa: F811
+def test_context_parallel_layouts_match_one_process(grads, packed_tokens, nproc, tp, layout, reference):  # noqa: F811
     path, spans = packed_tokens  # documents cross positions 32, 64 and 96: every slice boundary of cp 2 and 4
-    ref, got = worker(1, 1, *reference, "--logits_of", path), worker(nproc, tp, *layout, "--logits_of", path)
+    ref, got = grads(1, 1, *reference, "--logits_of", path), grads(nproc, tp, *layout, "--logits_of", path)
     assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-5
     print(f"{nproc} ranks, tp {tp}, {' '.join(layout)}: max relative difference vs 1 process: loss "
           f"{max(rel(a, b) for a, b in zip(got['losses'], ref['losses'])):.1e}, grad norm "
