@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=N tests/muon_worker.py --out FILE [--tp T] --config configs/debug.toml \
         --run_dir DIR [--parallel.dp_replicate R]
+    torchrun --nproc_per_node=N tests/muon_worker.py --jobs FILE    # a JSON list of such argument lists, in turn
 
 Builds the run as the trainers do (build, train_2d's plan with --tp T > 1), sets every
 gradient to a fixed random matrix from a seeded generator (the same on every rank, then this
@@ -11,10 +12,13 @@ rank's shard of it), takes two optimizer steps and rank 0 saves with torch.save
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import distribute_tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,14 +31,18 @@ from training.session import build  # noqa: E402
 STEPS = 2
 
 
-def main() -> None:
+def run_job(argv: list[str]) -> None:
+    """One job: build the run of argv with Muon, take STEPS optimizer steps on seeded gradients; rank 0 saves."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=1)
-    args, overrides = parser.parse_known_args()
+    args, overrides = parser.parse_known_args(argv)
     cfg = parse_config([*overrides, "--parallel.tp", str(args.tp), "--optim.name", "muon"])
     plan = train_2d.PLAN if args.tp > 1 else None
-    rank, world, device = distributed.init_distributed(cfg.train.device)
+    if not dist.is_initialized():
+        distributed.init_distributed(cfg.train.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = distributed.resolve_device(cfg.train.device, distributed.local_rank())
     s = build(cfg, rank, world, device, plan, resume=False)
     result = {"init": {n: p.full_tensor().detach().clone() for n, p in s.model.named_parameters()}, "grads": []}
     gen = torch.Generator().manual_seed(1)
@@ -48,6 +56,18 @@ def main() -> None:
     result["after"] = {n: p.full_tensor().detach().clone() for n, p in s.model.named_parameters()}
     if rank == 0:
         torch.save(result, args.out)
+    del s
+    gc.collect()
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--jobs"]:
+        with open(sys.argv[2]) as f:
+            jobs = json.load(f)
+    else:
+        jobs = [sys.argv[1:]]
+    for argv in jobs:
+        run_job(argv)
     distributed.finish_distributed()
 
 

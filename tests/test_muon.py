@@ -6,6 +6,7 @@ same gradients (tests/muon_worker.py); 2 steps, so the momentum buffer is exerci
 MuonAdamW runs Newton-Schulz in fp32, so the reference runs torch.optim.Muon with torch's
 iteration in fp32 (newton_schulz_reference below).
 """
+import json
 from unittest import mock
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.optim._muon
 
 from config import parse_config
-from launch import DEBUG, losses, torchrun
+from launch import DEBUG, losses, prepared_data_dir, torchrun
 from optimization import muon
 from optimization.muon import is_muon_matrix
 from optimization.optimizers import lr_factor
@@ -108,14 +109,33 @@ def _reference(result: dict) -> dict:
     return {n: p.detach() for n, p in params.items()}
 
 
+LAYOUTS = {"ws1": (1, 1, ()), "fsdp2": (2, 1, ()), "hsdp2x1": (2, 1, ("--parallel.dp_replicate", "2")),
+           "dp1xtp2": (2, 2, ())}
+
+
+@pytest.fixture(scope="module")
+def muon_results(tmp_path_factory) -> dict:
+    """{layout: tests/muon_worker.py's result}: the layouts of one world size in one launch, on the prepared corpus."""
+    results = {}
+    for nproc in sorted({n for n, _, _ in LAYOUTS.values()}):
+        root = tmp_path_factory.mktemp(f"muon_{nproc}")
+        jobs = {}
+        for name, (n, tp, extra) in LAYOUTS.items():
+            if n == nproc:
+                prepared_data_dir(root / name)
+                jobs[name] = ["--out", str(root / name / "muon.pt"), "--tp", str(tp), "--config", DEBUG,
+                              "--run_dir", str(root / name), *extra]
+        with open(root / "jobs.json", "w") as f:
+            json.dump(list(jobs.values()), f)
+        torchrun(nproc, "tests/muon_worker.py", "--jobs", str(root / "jobs.json"), timeout=300)
+        results.update({name: torch.load(argv[1]) for name, argv in jobs.items()})
+    return results
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, tp, extra", [(1, 1, ()), (2, 1, ()), (2, 1, ("--parallel.dp_replicate", "2")),
-                                              (2, 2, ())], ids=["ws1", "fsdp2", "hsdp2x1", "dp1xtp2"])
-def test_distributed_muon_update_equals_torch_muon(tmp_path, nproc, tp, extra):
-    out = tmp_path / "muon.pt"
-    torchrun(nproc, "tests/muon_worker.py", "--out", out, "--tp", tp, "--config", DEBUG, "--run_dir",
-             tmp_path / "run", *extra, timeout=300)
-    result = torch.load(out)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_distributed_muon_update_equals_torch_muon(muon_results, layout):
+    result = muon_results[layout]
     want = reference(result)
     assert sum(is_muon_matrix(n) for n in want) == 28  # 4 layers x 7 matrices
     for n, w in want.items():
