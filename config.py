@@ -138,7 +138,6 @@ class TrainConfig:
         return self.micro_batch_size or self.batch_size_at(step) // max(dp, 1)
 
 
-
 @dataclasses.dataclass
 class Config:
     run_dir: str = "runs/default"

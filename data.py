@@ -219,7 +219,6 @@ def window(tokens: np.ndarray, index: int, seq_len: int) -> np.ndarray:
     return tokens[start:start + seq_len + 1]
 
 
-
 def inputs_labels(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) of windows (batch, seq_len + 1): w[:, :-1] and w[:, 1:], each (batch, seq_len), contiguous."""
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

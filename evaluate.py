@@ -77,8 +77,6 @@ def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0, sour
     return out
 
 
-
-
 def prepared_data(cfg, run_cfg, run_dir: str, tokenizer: str) -> str:
     """Folder of the tokens to evaluate (run on rank 0): the run's own prepared corpus when the
     source is the run's, else run_dir/eval_data/<hash of the source> tokenized with the run's tokenizer.

@@ -53,10 +53,6 @@ def _local_files(spec: str, field: str = "data.dataset") -> list[str]:
     return files
 
 
-
-
-
-
 def _read_text(path: str, errors: str) -> str:
     with open(path, "rb") as f:
         raw = f.read()
@@ -179,40 +175,6 @@ def _file_groups(files: list[str], errors: str) -> list[Callable[[], Iterator[st
             yield _read_text(path, errors)
 
     return [functools.partial(read, files[i:i + FILES_PER_UNIT]) for i in range(0, len(files), FILES_PER_UNIT)]
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _texts(cfg: SourceConfig, open_rows) -> Iterator[str]:

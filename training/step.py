@@ -179,7 +179,6 @@ def _spike_veto(state: TrainState, result: StepResult, sigmas: float, window: in
     return bool(result.skipped)
 
 
-
 def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.device, tp_plan: TPPlan | None = None,
                     model: torch.nn.Module | None = None) -> Trainable:
     """The sharded model (parallelize.build_model, from cfg.train.seed), optimizer, LR schedule and a fresh TrainState.
