@@ -186,13 +186,24 @@ def _convert(key: str, value: Any, typ) -> Any:
             pass
     elif typ is str:
         if isinstance(value, str):
-            return value
+            return _utf8(key, value)
     elif origin is tuple:
         items = value.split(",") if isinstance(value, str) else value
         args = typing.get_args(typ)
         if isinstance(items, (list, tuple)) and len(items) == len(args):
             return tuple(_convert(key, v, t) for v, t in zip(items, args))
     raise ConfigError(f"{key}: expected {getattr(typ, '__name__', typ)}, got {_short(value)}")
+
+
+def _utf8(key: str, value: str) -> str:
+    """value, if it is UTF-8 text; else ConfigError (bytes of another encoding reach argv as lone surrogates, which
+    config.toml, JSON records and W&B cannot hold)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{key}: {_short(value)} holds a byte that is not UTF-8 ({value[e.start]!r} at {e.start}); "
+                          f"give it as UTF-8 text") from None
+    return value
 
 
 def _hints(cls) -> dict[str, Any]:

@@ -50,17 +50,19 @@ class StepProfiler:
         if self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
 
-    def finishes(self, step: int) -> bool:
-        """Whether after_step(step) ends the profile and writes the trace (step: the 1-based step just run)."""
-        return self._prof is not None and step == self.span[1]
+    def finishes(self, step: int, last: bool = False) -> bool:
+        """Whether after_step(step, last) ends the profile and writes the trace (step: the 1-based step just run;
+        last: no step follows it in this run, so a span that reaches past it ends there)."""
+        return self._prof is not None and (step == self.span[1] or last)
 
-    def after_step(self, step: int) -> str | None:
-        """Finish after the last profiled step; returns the trace's path then, else None."""
-        if self._prof is None or step != self.span[1]:
+    def after_step(self, step: int, last: bool = False) -> str | None:
+        """Finish after the span's last step, or after the run's last step inside the span (last): a profiler left
+        open at exit crashes the process. Returns the trace's path then, else None."""
+        if not self.finishes(step, last):
             return None
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
-        tag = f"steps_{self.span[0]}-{self.span[1]}"
+        tag = f"steps_{self.span[0]}-{step}"
         os.makedirs(self.dir, exist_ok=True)
         trace = os.path.join(self.dir, f"trace_{tag}.json")
         prof.export_chrome_trace(trace)

@@ -37,6 +37,13 @@ def test_resolved_config_round_trips_any_unicode_and_tables(tmp_path):
     assert back.metrics.wandb_run_name == "caf\u00e9 \U0001F600" and back.run_dir.endswith("\U0001F680")
 
 
+@pytest.mark.parametrize("flag", ["--metrics.wandb_run_name", "--run_dir"])
+def test_a_value_with_bytes_that_are_not_utf8_is_refused_when_parsed(flag):
+    """A shell passes a latin-1 byte to argv as a lone surrogate; config.toml (UTF-8) could not hold it."""
+    with pytest.raises(ConfigError, match=f"{flag[2:]}: .* holds a byte that is not UTF-8 .* give it as UTF-8 text"):
+        parse_config(["--config", DEBUG, flag, "bad\udcffbyte"])
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'steps'"),
     (["--trian.steps", "3"], "did you mean 'train'"),

@@ -59,6 +59,17 @@ def test_profile_steps_parse(text, span):
     assert profiling.parse_steps(text) == span
 
 
+def test_a_profile_span_past_the_runs_last_step_ends_there_and_writes_its_trace(tmp_path):
+    """--train.profile_steps 2-100 in a run of 3 steps: the profiler left open at exit crashed the process."""
+    prof = profiling.StepProfiler((2, 100), str(tmp_path), torch.device("cpu"), True)
+    prof.before_step(2)
+    torch.ones(8, 8) @ torch.ones(8, 8)
+    assert not prof.finishes(2) and prof.after_step(2) is None  # the span goes on
+    assert prof.finishes(3, last=True)
+    trace = prof.after_step(3, last=True)
+    assert trace.endswith("trace_steps_2-3.json") and os.path.getsize(trace) > 0 and not prof.finishes(3, last=True)
+
+
 @pytest.mark.parametrize("text", ["0", "5-3", "a-b", "1-2-3"])
 def test_bad_profile_steps_name_the_field(text):
     with pytest.raises(ConfigError, match="train.profile_steps must look like '10-12'"):

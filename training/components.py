@@ -152,19 +152,25 @@ class Checkpointing:
 
 
 class Profiling:
-    """A profiler trace (and a CUDA memory snapshot) of the steps train.profile_steps names, on rank 0."""
+    """A profiler trace (and a CUDA memory snapshot) of the steps train.profile_steps names, on rank 0; a span that
+    reaches past the run's last step, or that a signal cuts short, ends there."""
 
     def __init__(self, cfg: Config, s: Session, progress: Progress):
         self.profiler = StepProfiler(parse_steps(cfg.train.profile_steps), cfg.run_dir, s.device, s.rank == 0)
-        self.progress, self.steps = progress, cfg.train.profile_steps
+        self.progress, self.last_step = progress, cfg.train.steps
 
     def before(self, step: int) -> None:
         """Called before step (1-based) runs: starts the profiler at the first step of the span."""
         self.profiler.before_step(step)
 
     def due(self, step: int, result: StepResult) -> bool:
-        return self.profiler.finishes(step)
+        return self.profiler.finishes(step, last=step == self.last_step)
 
-    def run(self, step: int, result: StepResult) -> None:
-        trace = self.profiler.after_step(step)
-        self.progress.write(f"[profile] steps {self.steps}: {trace}")
+    def run(self, step: int, result: StepResult | None, last: bool = False) -> None:
+        trace = self.profiler.after_step(step, last=last or step == self.last_step)
+        self.progress.write(f"[profile] steps {self.profiler.span[0]}-{step}: {trace}")
+
+    def stop(self, step: int) -> None:
+        """The run stops after step (a signal): a span still open ends there and its trace is written."""
+        if self.profiler.finishes(step, last=True):
+            self.run(step, None, last=True)

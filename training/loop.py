@@ -58,6 +58,7 @@ def train(s: Session) -> int:
             stopped_by = stop.any_rank()
             if stopped_by:
                 checkpointing.save_now(step)
+                profiling.stop(step)
                 break
     s.ckpt.close()
     progress.close()
