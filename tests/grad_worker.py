@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_2d  # noqa: E402
 from config import parse_config  # noqa: E402
+from launch import job_list  # noqa: E402
 from parallel import distributed  # noqa: E402
 from parallel.context_parallel import cp_size, shard_batch  # noqa: E402
 from parallel.parallelize import loss_mesh  # noqa: E402
@@ -106,12 +106,7 @@ def run_job(argv: list[str]) -> None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--jobs"]:
-        with open(sys.argv[2]) as f:
-            jobs = json.load(f)
-    else:
-        jobs = [sys.argv[1:]]
-    for argv in jobs:
+    for argv in job_list(sys.argv[1:]):
         run_job(argv)
     distributed.finish_distributed()
 

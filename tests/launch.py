@@ -121,6 +121,14 @@ def _records(path) -> list[dict]:
     return out
 
 
+def job_list(argv: list[str]) -> list[list[str]]:
+    """A worker's jobs: the argument lists in the JSON file of '--jobs FILE', else argv itself as the one job."""
+    if argv[:1] == ["--jobs"]:
+        with open(argv[1]) as f:
+            return json.load(f)
+    return [argv]
+
+
 def debug_run(nproc: int, run_dir: str, *overrides: str, script: str = "train_fsdp.py", **kw):
     """A debug-config run into run_dir with overrides (e.g. '--train.steps', '4')."""
     return torchrun(nproc, script, "--config", DEBUG, "--run_dir", str(run_dir), *overrides, **kw)
