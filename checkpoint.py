@@ -87,6 +87,10 @@ class TrainState:
     """The spike guard's window of the last train.spike_window step losses (empty when it is off)."""
     recent_grad_norms: list[float] = dataclasses.field(default_factory=list)
     """The spike guard's window of the last train.spike_window gradient norms (pre-clip)."""
+    outliers: int = 0
+    """Consecutive steps up to this one that the spike rule called outliers (train.rollback_after counts them)."""
+    rollbacks: int = 0
+    """Automatic rollbacks made so far (train.rollback is the budget)."""
 
 
 class AppState(Stateful):

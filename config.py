@@ -51,6 +51,16 @@ class BatchStage:
 
 
 @dataclasses.dataclass
+class SkipRange:
+    """One [[train.skip]] table: batches of the data that no step trains on (PaLM's remedy for a loss spike)."""
+
+    start_step: int = 0
+    """The first batch skipped, numbered as the step that trains on it in a run without skips (1-based)."""
+    end_step: int = 0
+    """The last batch skipped (>= start_step): the step after the range trains on batch end_step + 1."""
+
+
+@dataclasses.dataclass
 class TrainConfig:
     steps: int = 1000
     """Optimizer steps to train for (the LR schedule ends here)."""
@@ -88,6 +98,14 @@ class TrainConfig:
     """Spike guard: skip the update of a step whose loss or gradient norm exceeds the mean + spike_skip standard deviations of the last spike_window steps (OLMo-core's SkipStepOptimizer uses 6); skipped steps are recorded in metrics.jsonl with "skipped" (0: off)."""
     spike_window: int = 128
     """Spike guard: steps in the running window; the guard acts once the window is full, and the window is saved in checkpoints."""
+    skip: list[SkipRange] = dataclasses.field(default_factory=list)
+    """[[train.skip]] tables (start_step, end_step): the loader draws no samples for those batches, numbered by the data's own steps (the batches a run without skips trains on); data stages and batch stages follow the data. Megatron's --iterations-to-skip, exact at every world size."""
+    rollback: int = 0
+    """Automatic rollbacks the run may make (0: off): on a non-finite loss or gradient norm, or train.rollback_after consecutive outliers of the spike rule, every rank reloads the newest checkpoint at least train.rollback_margin steps before the first outlier and skips the data from there to the divergent step (training/rollback.py)."""
+    rollback_after: int = 2
+    """Consecutive steps the spike rule (train.spike_skip sigmas over train.spike_window steps) calls outliers that make a divergence; with train.spike_skip 0 only a non-finite loss or norm does."""
+    rollback_margin: int = 1
+    """A rollback loads a checkpoint of step <= first outlier - rollback_margin (>= 1: the checkpoint of the first outlier's own step already holds it)."""
     float8: Literal["off", "tensorwise", "rowwise"] = "off"
     """Float8 matmuls in the blocks' Linear layers through torchao (pip install -e ".[float8]"; CUDA compute capability 8.9+: H100, H200 or newer): 'tensorwise' (float8 FSDP all-gather), 'rowwise' (closer to bf16, slower), or 'off'. The output projection stays in high precision; checkpoints are the same as without. train_fsdp.py only."""
     collective_timeout_s: float = 300.0
@@ -123,7 +141,33 @@ class TrainConfig:
                 raise ConfigError(f"{where}.global_batch_size ({stage.global_batch_size}) must be larger than the "
                                   f"batch before it ({last_batch}): the stages ramp the batch up")
             last_step, last_batch = stage.start_step, stage.global_batch_size
+        self._check_rollback()
         parse_steps(self.profile_steps)
+
+    def _check_rollback(self) -> None:
+        last = 0
+        for r in sorted(self.skip, key=lambda r: r.start_step):
+            where = f"train.skip[{self.skip.index(r)}]"
+            if r.start_step < 1 or r.end_step < r.start_step:
+                raise ConfigError(f"{where}: start_step ({r.start_step}) must be >= 1 and end_step ({r.end_step}) "
+                                  f">= start_step: the range names the first and the last batch skipped")
+            if r.start_step <= last:
+                raise ConfigError(f"{where} ({r.start_step}-{r.end_step}) overlaps another [[train.skip]] range "
+                                  f"that ends at {last}; merge them into one table")
+            last = r.end_step
+        if self.rollback < 0:
+            raise ConfigError(f"train.rollback must be >= 0 (0: off), got {self.rollback}")
+        if self.rollback and self.rollback_after < 1:
+            raise ConfigError(f"train.rollback_after must be >= 1 consecutive outlier steps with train.rollback on, "
+                              f"got {self.rollback_after}; 2 tells a divergence from the single spike that "
+                              f"train.spike_skip absorbs")
+        if self.rollback_margin < 1:
+            raise ConfigError(f"train.rollback_margin must be >= 1 step, got {self.rollback_margin}: the checkpoint "
+                              f"of the first outlier's step already holds that outlier")
+
+    def skip_ranges(self) -> list[tuple[int, int]]:
+        """The [[train.skip]] ranges as [(start_step, end_step)], in order."""
+        return sorted((r.start_step, r.end_step) for r in self.skip)
 
     def batch_schedule(self) -> list[tuple[int, int]]:
         """[(start_step, global_batch_size)] from step 0: train.global_batch_size, then the batch stages."""
@@ -208,6 +252,29 @@ def check_tokenizer(path: str, model: ModelArgs, vocab_size: int | None = None) 
                          f"set --model.eot_id {eot} so document_mask finds the documents")
 
 
+def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:
+    """train.rollback needs a checkpoint to go back to: raises SetupError when none can be kept far enough back.
+
+    At a divergence of step S whose first outlier is F = S - rollback_after + 1, the target is a
+    checkpoint of step <= F - rollback_margin. Saves come every checkpoint.interval steps and the
+    newest checkpoint.keep are kept, so the oldest one kept can be as recent as S - keep * interval:
+    margin + rollback_after - 1 must fit in keep * interval steps (keep 0 keeps all).
+    """
+    if not t.rollback:
+        return
+    if ckpt.interval >= t.steps:
+        raise SetupError(f"train.rollback needs checkpoints to roll back to, but checkpoint.interval "
+                         f"({ckpt.interval}) saves only at the end of train.steps ({t.steps}); lower "
+                         f"checkpoint.interval or set train.rollback 0")
+    reach = t.rollback_margin + (t.rollback_after - 1)
+    if ckpt.keep and reach > ckpt.keep * ckpt.interval:
+        raise SetupError(f"train.rollback_margin ({t.rollback_margin}) reaches further back than the checkpoints "
+                         f"kept: a rollback needs one {reach} steps before the divergent step "
+                         f"(rollback_margin + rollback_after - 1), but checkpoint.keep {ckpt.keep} x "
+                         f"checkpoint.interval {ckpt.interval} keeps as few as {ckpt.keep * ckpt.interval}; lower the "
+                         f"margin or raise checkpoint.keep")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """The checks across sections, files and the world size; needs no collective (run on every rank, first).
 
@@ -238,6 +305,7 @@ def validate(cfg: Config, world_size: int) -> None:
         if g <= 0 or g % (dp * micro):
             raise SetupError(f"{name} ({g}) must be a positive multiple of data-parallel size ({dp}) "
                              f"x train.micro_batch_size ({micro}) = {dp * micro}; change one of them")
+    check_rollback_reach(t, cfg.checkpoint)
     device = resolve_device(t.device)
     if cfg.parallel.cpu_offload and device.type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")

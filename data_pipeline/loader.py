@@ -6,6 +6,12 @@ Determinism across world sizes: the loader keeps a global position (DataState: s
 batches drawn, and each source's count). The global batch of step k is a function of that
 state and the seed alone (mixture.py has the rule), whatever the world size; data-parallel
 rank r takes the r-th contiguous slice. The state is all a checkpoint needs.
+
+Skips ([[train.skip]], and the ranges a rollback adds to DataState.skips) name batches by the
+data's own step, 1-based: batch k is the one drawn when DataState.steps goes from k - 1 to k.
+The loader moves the cursor past a skipped batch as if it had drawn it (its stage's size and
+weights, each source's share), so everything after it is the batch a run without the skip
+would have drawn there.
 """
 from __future__ import annotations
 
@@ -28,6 +34,19 @@ class DataState:
     """Global batches drawn (it picks the stage of the weight schedule and seeds the batch's order)."""
     source_samples: dict[str, int] = dataclasses.field(default_factory=dict)
     """Samples drawn from each source: its cursor through its own epochs."""
+    skips: list[list[int]] = dataclasses.field(default_factory=list)
+    """[start, end] ranges of batches (data steps, 1-based) that automatic rollbacks skipped, in order."""
+
+
+def merge_ranges(ranges) -> list[list[int]]:
+    """The union of inclusive integer ranges [(start, end)], as sorted, disjoint, non-adjacent [start, end] lists."""
+    out: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
 
 
 class GlobalBatchLoader:
@@ -42,9 +61,10 @@ class GlobalBatchLoader:
 
     def __init__(self, corpus: PackedCorpus, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, seed: int, state: DataState | None = None,
-                 batch_stages: list[tuple[int, int]] = ()):
+                 batch_stages: list[tuple[int, int]] = (), skips: list[tuple[int, int]] = ()):
         """batch_stages: [(start_step, global_batch_size)] after step 0 (train.batch_stages), a batch ramp;
-        micro_batch_size 0: each rank's whole share of the step's batch in one micro-batch."""
+        micro_batch_size 0: each rank's whole share of the step's batch in one micro-batch; skips:
+        [(start, end)] batches never drawn (train.skip_ranges(); a rollback adds to state.skips)."""
         self.schedule = [(0, global_batch_size), *batch_stages]
         for _, batch in self.schedule:
             if batch % (dp_size * (micro_batch_size or 1)) or (micro_batch_size == 0 and batch < dp_size):
@@ -68,6 +88,7 @@ class GlobalBatchLoader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.seed = seed
         self.state = state or DataState()
+        self.config_skips = list(skips)
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
 
     def _upgrade(self) -> None:
@@ -95,9 +116,32 @@ class GlobalBatchLoader:
         weights = mixture.stage_at(self.corpus.schedule, self.state.steps)
         return mixture.batch_counts(self.global_batch_size, weights, self.state.steps)
 
-    def global_indices(self) -> list[tuple[int, int]]:
-        """The next global batch as [(source number, window index)], in batch order (the cursor does not move)."""
+    def skipped(self) -> list[list[int]]:
+        """Every skipped range, [[train.skip]] and rollbacks' together, merged: [[start, end]] in order."""
+        return merge_ranges([*self.config_skips, *map(tuple, self.state.skips)])
+
+    def next_data_step(self) -> int:
+        """The data step (1-based) of the next batch drawn, past every skipped range."""
+        step = self.state.steps + 1
+        for a, b in self.skipped():
+            if a <= step <= b:
+                step = b + 1
+        return step
+
+    def _skip_ahead(self) -> None:
+        """Move the cursor past the skipped batches in front of it, each as if drawn."""
         self._upgrade()
+        st = self.state
+        while st.steps + 1 < self.next_data_step():
+            for name, count in zip(self.corpus.names, self.counts()):
+                st.source_samples[name] = st.source_samples.get(name, 0) + count
+            st.consumed_samples += self.global_batch_size
+            st.steps += 1
+
+    def global_indices(self) -> list[tuple[int, int]]:
+        """The next global batch as [(source number, window index)], in batch order (the cursor does not move
+        except past skipped batches)."""
+        self._skip_ahead()
         pairs = []
         for s, count in enumerate(self.counts()):
             start = self.state.source_samples.get(self.corpus.names[s], 0)
@@ -117,7 +161,8 @@ class GlobalBatchLoader:
         Advances the global cursor: consumed_samples by global_batch_size, steps by one, each
         source's count by its share of the batch.
         """
-        idx, batch = self.rank_indices(), self.global_batch_size
+        idx = self.rank_indices()  # past the skipped batches first
+        batch = self.global_batch_size
         st = self.state
         for name, count in zip(self.corpus.names, self.counts()):
             st.source_samples[name] = st.source_samples.get(name, 0) + count

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import resource
 import time
@@ -127,20 +128,36 @@ class MetricsLog:
         self.path = RunDir(run_dir).metrics
         self.enabled = enabled
         self.tb = self.wandb = None
-        if not enabled:
-            return
-        dropped = self._drop_after(resume_step)
-        metrics = metrics or MetricsConfig()
+        self._open = (run_dir, metrics or MetricsConfig(), config or {})
+        if enabled:
+            self._start(resume_step, rollbacks_before=resume_step)
+
+    def _start(self, step: int, rollbacks_before: float) -> None:
+        run_dir, metrics, config = self._open
+        dropped = self._drop_after(step, rollbacks_before)
         if metrics.tensorboard:
             check_metrics(MetricsConfig(tensorboard=True))
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(RunDir(run_dir).tensorboard, purge_step=resume_step + 1)
+            self.tb = SummaryWriter(RunDir(run_dir).tensorboard, purge_step=step + 1)
         if metrics.wandb:
-            self.wandb = WandbLog(run_dir, config or {}, resume_step, rewind=dropped, project=metrics.wandb_project,
+            self.wandb = WandbLog(run_dir, config, step, rewind=dropped, project=metrics.wandb_project,
                                   entity=metrics.wandb_entity, name=metrics.wandb_run_name, group=metrics.wandb_group)
 
-    def _drop_after(self, step: int) -> bool:
-        """Drop the records of steps after step; True when a whole record was dropped (W&B may hold its step)."""
+    def rewind(self, step: int) -> None:
+        """Go back to step after a rollback (training/rollback.py): later records dropped, as at a resume, except
+        the rollback records, which stay; TensorBoard purged and the W&B run rewound the same way."""
+        if not self.enabled:
+            return
+        self.close()
+        self.tb = self.wandb = None
+        self._start(step, rollbacks_before=math.inf)
+
+    def _drop_after(self, step: int, rollbacks_before: float) -> bool:
+        """Drop the records of steps after step; True when a whole record was dropped (W&B may hold its step).
+
+        A rollback record of a later step stays when it went back to a step before
+        rollbacks_before: the state resumed from was saved after it, so it counts that rollback.
+        """
         if not os.path.exists(self.path):
             return False
         with open(self.path) as f:
@@ -148,10 +165,12 @@ class MetricsLog:
         kept, dropped = [], False
         for line in lines:
             try:
-                if json.loads(line).get("step", 0) <= step:
+                record = json.loads(line)
+                if record.get("step", 0) <= step or record.get("rollback", {}).get("to_step", math.inf) < \
+                        rollbacks_before:
                     kept.append(line.rstrip("\n") + "\n")
                 else:
-                    dropped = True
+                    dropped = dropped or "rollback" not in record
             except ValueError:  # cut by a crash mid-write, before TensorBoard or W&B got it: resuming from before it
                 pass
         if kept != lines:
@@ -160,6 +179,12 @@ class MetricsLog:
                 f.writelines(kept)
             os.replace(tmp, self.path)
         return dropped
+
+    def note(self, record: dict) -> None:
+        """Append record (an int "step" and anything JSON holds) to metrics.jsonl only: an event, not a scalar."""
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def write(self, record: dict) -> None:
         """Append record (an int "step" and values) to metrics.jsonl; its numbers to TensorBoard and W&B at its step."""

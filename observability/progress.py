@@ -36,6 +36,12 @@ class Progress:
     def step(self) -> None:
         self.bar.update(1)
 
+    def rewind(self, step: int) -> None:
+        """The run went back to step (a rollback): the bar shows it, the ETA counts from there."""
+        self.bar.n = step
+        self.bar.refresh()
+        self._t0, self._first = time.perf_counter(), step
+
     def log(self, record: dict) -> None:
         """Show a train record: the bar's postfix, or one line with the ETA from the run's mean step time."""
         if not self.enabled:

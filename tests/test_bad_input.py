@@ -146,6 +146,39 @@ def test_bad_batch_stages_fail_before_any_collective(existing_run, tmp_path, mon
     assert _snapshot(existing_run) == before
 
 
+ROLLBACK_INPUT = [  # (tables, argv, message): [[train.skip]] and train.rollback, before any collective
+    ("[[train.skip]]\nstart_step = 10\nend_step = 20\n[[train.skip]]\nstart_step = 20\nend_step = 25\n", [],
+     "train.skip[1] (20-25) overlaps another [[train.skip]] range that ends at 20; merge them into one table"),
+    ("[[train.skip]]\nstart_step = 10\nend_step = 5\n", [],
+     "train.skip[0]: start_step (10) must be >= 1 and end_step (5) >= start_step"),
+    ("", ["--train.rollback", "2", "--train.rollback_after", "0"],
+     "train.rollback_after must be >= 1 consecutive outlier steps with train.rollback on, got 0"),
+    ("", ["--train.rollback", "2", "--checkpoint.interval", "5", "--train.rollback_margin", "20"],
+     "train.rollback_margin (20) reaches further back than the checkpoints kept: a rollback needs one 21 steps "
+     "before the divergent step (rollback_margin + rollback_after - 1), but checkpoint.keep 3 x "
+     "checkpoint.interval 5 keeps as few as 15"),
+    ("", ["--train.rollback", "2", "--checkpoint.interval", "200"],
+     "train.rollback needs checkpoints to roll back to, but checkpoint.interval (200) saves only at the end of "
+     "train.steps (200)"),
+    ("", ["--train.rollback", "-1"], "train.rollback must be >= 0 (0: off), got -1"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tables, argv, msg", ROLLBACK_INPUT, ids=["overlapping", "reversed", "after_0",
+                                                                  "margin_past_kept", "no_checkpoints", "negative"])
+def test_bad_rollback_settings_fail_before_any_collective(existing_run, tmp_path, monkeypatch, capsys, tables, argv,
+                                                          msg):
+    config = tmp_path / "skips.toml"
+    config.write_text(open(DEBUG).read() + "\n" + tables)
+    before = _snapshot(existing_run)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    rc = train_fsdp.main(["--config", str(config), "--run_dir", str(existing_run), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and msg in err and err.count("\n") == 1, err
+    assert _snapshot(existing_run) == before
+
+
 @pytest.mark.slow
 def test_tokenizer_larger_than_the_model(existing_run, monkeypatch, capsys, big_tokenizer):
     rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), "--data.tokenizer", big_tokenizer,

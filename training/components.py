@@ -42,7 +42,8 @@ def act(components: tuple[Component, ...], step: int, result: StepResult) -> Non
 
 class Metrics:
     """Train records (metrics.jsonl, TensorBoard, W&B, the progress bar): every train.log_interval steps, the
-    last step, and every step whose update was skipped. Throughput counts only the time spent training."""
+    last step, and every step whose update was skipped or that was an outlier (train.rollback). Throughput counts
+    only the time spent training."""
 
     def __init__(self, s: Session, log: MetricsLog, progress: Progress, flops_per_token: float, peak_flops: float):
         self.s, self.log, self.progress = s, log, progress
@@ -52,7 +53,7 @@ class Metrics:
 
     def due(self, step: int, result: StepResult) -> bool:
         t = self.s.cfg.train
-        return step % t.log_interval == 0 or step == t.steps or bool(result.skipped)
+        return step % t.log_interval == 0 or step == t.steps or bool(result.skipped or result.outlier)
 
     def run(self, step: int, result: StepResult) -> None:
         cfg, state = self.s.cfg, self.s.train_state
@@ -68,11 +69,20 @@ class Metrics:
         if result.skipped:
             record["skipped"] = True
             record["skip_reason"] = result.skipped
+        if result.outlier:
+            record["outlier"] = result.outlier
         self.log.write(record)
         self.progress.log(record)
         if result.skipped:
             self.progress.write(f"[train] step {step}: update skipped, {result.skipped}")
+        if result.outlier:
+            self.progress.write(f"[train] step {step}: outlier {state.outliers} in a row (a rollback at "
+                                f"train.rollback_after {cfg.train.rollback_after}), update kept: {result.outlier}")
         self.t_last, self.tokens_last = time.perf_counter(), state.tokens_seen
+
+    def rewound(self) -> None:
+        """The run went back to an earlier step (a rollback): throughput counts from here."""
+        self.t_last, self.tokens_last = time.perf_counter(), self.s.train_state.tokens_seen
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -20,8 +20,9 @@ from observability.progress import Progress
 from parallel import distributed
 from storage.rundir import RunDir
 from training.components import Checkpointing, Metrics, Profiling, Scoring, Validation, act
+from training.rollback import Rollback
 from training.session import Session, start_line
-from training.step import NonFiniteError, StepResult, train_step
+from training.step import Divergence, NonFiniteError, StepResult, train_step
 
 
 def train(s: Session) -> int:
@@ -38,6 +39,7 @@ def train(s: Session) -> int:
     profiling = Profiling(cfg, s, progress)
     validation = Validation(s, log, progress)
     checkpointing = Checkpointing(s)
+    rollback = Rollback(s, log, progress)
     between_steps = (validation, Scoring(s, log, progress), checkpointing)
     progress.write(start_line(s, fpt))  # rank 0 only, and above the progress bar
     if validation.notice():
@@ -46,7 +48,13 @@ def train(s: Session) -> int:
     stop, stopped_by, start_step = distributed.StopFlag(), 0, state.step
     while state.step < cfg.train.steps:
         profiling.before(state.step + 1)
-        result = step_or_stop(s)
+        try:
+            result = step_or_stop(s)
+        except Divergence as d:  # train.rollback: alike on every rank, before the update
+            with metrics.paused():
+                rollback.run(d)
+            metrics.rewound()
+            continue
         step = state.step
         if step == start_step + 1:  # compiled and warmed up: from now on a slow collective means a lost peer
             distributed.set_collective_timeout(cfg.train.collective_timeout_s)

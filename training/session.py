@@ -74,7 +74,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     data_state = DataState()
     loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                data_parallel.get_local_rank(), dp, cfg.train.seed, data_state,
-                               cfg.train.batch_schedule()[1:])
+                               cfg.train.batch_schedule()[1:], cfg.train.skip_ranges())
 
     tr = build_trainable(cfg, rank, mesh, device, tp_plan)
     ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.root(cfg.run_dir), rank, cli.to_toml(cfg))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -59,6 +60,20 @@ class NonFiniteError(RuntimeError):
     """The global gradient norm is NaN or inf; the weights were not updated."""
 
 
+class Divergence(Exception):
+    """train.rollback's trigger, raised before the update (weights, schedule and counters unchanged), alike on every
+    rank: the loss and the norm it is decided on are global."""
+
+    def __init__(self, step: int, first: int, trigger: str):
+        super().__init__(trigger)
+        self.step = step
+        """The divergent step (1-based): the one that did not update."""
+        self.first = first
+        """The first outlier step of the divergence (== step for a non-finite one)."""
+        self.trigger = trigger
+        """Why, in words (a non-finite norm, or the outliers' rule)."""
+
+
 def optimizer_step(model, optimizer, grad_clip: float, device, skip_nonfinite: bool = False,
                    veto: Callable[[float], bool] | None = None) -> torch.Tensor:
     """Clip to grad_clip (0: no clipping), step, zero the gradients; returns the pre-clip global norm.
@@ -98,6 +113,8 @@ class StepResult:
     """This rank's sum of logsumexp^2 over its tokens, 0-dim fp32 (train.z_loss; None or 0 when off)."""
     skipped: str = ""
     """Why the update was skipped ('' when it was applied): a non-finite norm or the spike guard's reason."""
+    outlier: str = ""
+    """Under train.rollback: why the spike rule calls the step an outlier, whose update was applied ('' if none)."""
     mean_loss: float | None = None
     """global_loss, when the step already computed it (the spike guard needs it)."""
 
@@ -140,10 +157,15 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     Raises NonFiniteError when the norm is not finite and cfg.train.nonfinite is "stop":
     neither the weights, the schedule nor the counters moved. With "skip", or when the spike
     guard (train.spike_skip, spike.py) finds the loss or the norm an outlier, the update is
-    skipped but the step counts (StepResult.skipped says why).
+    skipped but the step counts (StepResult.skipped says why). With train.rollback on, no
+    update is skipped: an outlier is trained through as without the guard (StepResult.outlier
+    says why it is one), and a non-finite norm or the train.rollback_after-th outlier in a row
+    raise Divergence, with nothing moved but the outlier count; the rollback goes back to
+    before the first outlier, so the run is always one without the guard, with data skipped.
     """
     cfg, t = s.cfg, s.cfg.train
-    n_targets = t.batch_size_at(s.train_state.step) * cfg.data.seq_len  # packed: every label is a target
+    # Every data-parallel rank holds an equal share of whole windows, and every label is a target (packed).
+    n_targets = sum(len(inputs) for inputs, _ in micro_batches) * s.dp * cfg.data.seq_len
     lr = s.scheduler.get_last_lr()[0]
     ranks = loss_mesh(s.mesh).size()  # the data-parallel x CP ranks FSDP averages gradients over
     loss_sum, z_sum = forward_backward(s.model, micro_batches, n_targets, ranks, s.device, s.mesh, t.loss_chunk_size,
@@ -154,14 +176,18 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     veto = None
     if t.spike_skip:
         result.mean_loss = result.global_loss(loss_mesh(s.mesh).get_group())
-        veto = functools.partial(_spike_veto, s.train_state, result, t.spike_skip, t.spike_window)
+        veto = functools.partial(_spike_veto, s.train_state, result, t.spike_skip, t.spike_window,
+                                 t.rollback_after if t.rollback else 0)
     try:
-        result.grad_norm = optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, s.device, t.nonfinite == "skip",
-                                          veto)
+        result.grad_norm = optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, s.device,
+                                          t.nonfinite == "skip" or t.rollback > 0, veto)
     except NonFiniteError as e:
         raise NonFiniteError(f"{e} (loss {loss_sum.item() / n_targets * ranks:.4g} on rank {s.rank})") from None
     if not result.skipped and not torch.isfinite(result.grad_norm).item():
         result.skipped = "non-finite gradient norm"
+        s.train_state.outliers += 1
+    if t.rollback:
+        _check_divergence(s.train_state, result, t.rollback_after)
     if cfg.train.float8 == "tensorwise":  # the next step's float8 all-gathers use these weights' scales
         float8.precompute_scales(s.model)
     s.scheduler.step()
@@ -170,13 +196,37 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     return result
 
 
-def _spike_veto(state: TrainState, result: StepResult, sigmas: float, window: int, grad_norm: float) -> bool:
-    """The spike guard's decision on a step of finite grad_norm (optimizer_step's veto); records it in the windows."""
-    result.skipped = spike_reason(state.recent_losses, state.recent_grad_norms, result.mean_loss, grad_norm,
-                                  sigmas, window)
-    push(state.recent_losses, result.mean_loss, window)
-    push(state.recent_grad_norms, grad_norm, window)
-    return bool(result.skipped)
+def _spike_veto(state: TrainState, result: StepResult, sigmas: float, window: int, rollback_after: int,
+                grad_norm: float) -> bool:
+    """The spike guard's decision on a step of finite grad_norm (optimizer_step's veto); records it in the windows.
+
+    Under train.rollback (rollback_after > 0) an outlier's update is kept (result.outlier)
+    unless it is the rollback_after-th in a row, and an outlier stays out of the windows: the
+    steps of a divergence are each measured against the steps before it, not against a
+    window they have raised.
+    """
+    rollback = rollback_after > 0
+    reason = spike_reason(state.recent_losses, state.recent_grad_norms, result.mean_loss, grad_norm, sigmas, window)
+    state.outliers = state.outliers + 1 if reason else 0
+    if rollback:
+        result.outlier = reason
+    else:
+        result.skipped = reason
+    if not (rollback and reason):
+        push(state.recent_losses, result.mean_loss, window)
+        push(state.recent_grad_norms, grad_norm, window)
+    return bool(result.skipped) or (rollback and state.outliers >= rollback_after)
+
+
+def _check_divergence(state: TrainState, result: StepResult, rollback_after: int) -> None:
+    """Raise Divergence for a non-finite step, or the rollback_after-th outlier in a row (train.rollback)."""
+    step = state.step + 1
+    if not torch.isfinite(result.grad_norm).item() or (result.mean_loss is not None
+                                                        and not math.isfinite(result.mean_loss)):
+        raise Divergence(step, step - state.outliers + 1, f"non-finite gradient norm ({result.grad_norm.item()})")
+    if state.outliers >= rollback_after:
+        raise Divergence(step, step - state.outliers + 1,
+                         f"{state.outliers} outliers in a row, the last a {result.outlier}")
 
 
 def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.device, tp_plan: TPPlan | None = None,

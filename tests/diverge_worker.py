@@ -1,0 +1,47 @@
+"""train_fsdp.py with the loss of chosen batches blown up, for the rollback tests (a fault that follows the data).
+
+    DIVERGE=A-B[,C-D ...][:RANK[:SCALE]] torchrun ... tests/diverge_worker.py <train_fsdp.py's arguments>
+
+Multiplies the training loss of the batches of data steps A..B, C..D (1-based, numbered as
+[[train.skip]] numbers them) by SCALE (default 1e4; 'nan' makes it NaN) on rank RANK (default:
+every rank), so a run diverges there deterministically on CPU. A skipped batch is never drawn,
+so its fault never fires: a rollback that skips it recovers, exactly as a fresh run given the
+same [[train.skip]] tables. The patch lives here, not in the training path.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train_fsdp  # noqa: E402
+from data_pipeline.loader import GlobalBatchLoader  # noqa: E402
+from training import step as step_module  # noqa: E402
+
+
+def inject(spec: str) -> None:
+    """Patch the loader (to know the data step of the batch in training) and the step's loss (to scale it)."""
+    ranges, rank, scale = (spec.split(":") + ["", ""])[:3]
+    steps = {k for r in ranges.split(",") for a, b in [r.split("-")] for k in range(int(a), int(b) + 1)}
+    factor = float(scale or "1e4")
+    here = not rank or int(rank) == int(os.environ["RANK"])
+    current = {"step": 0}
+    next_step, token_loss_sums = GlobalBatchLoader.next_step, step_module.token_loss_sums
+
+    def drawing(self):
+        batches = next_step(self)
+        current["step"] = self.state.steps  # the data step of the batch just drawn
+        return batches
+
+    def scaled(*args, **kw):
+        objective, z_sum = token_loss_sums(*args, **kw)
+        return (objective * factor if here and current["step"] in steps else objective), z_sum
+
+    GlobalBatchLoader.next_step = drawing
+    step_module.token_loss_sums = scaled
+
+
+if __name__ == "__main__":
+    inject(os.environ["DIVERGE"])
+    sys.exit(train_fsdp.main())
