@@ -152,8 +152,9 @@ class GlobalBatchLoader:
 
     def rank_indices(self) -> list[tuple[int, int]]:
         """This rank's slice of the next global batch, [(source number, window index)] (the cursor does not move)."""
-        per_rank = self.global_batch_size // self.dp_size
-        return self.global_indices()[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
+        pairs = self.global_indices()  # past the skipped batches first: they set the batch size
+        per_rank = len(pairs) // self.dp_size
+        return pairs[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank]
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches [(inputs, labels)] of the next global step, each (mb, seq_len) int64.

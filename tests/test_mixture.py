@@ -163,6 +163,32 @@ def test_resume_from_the_state_alone_at_another_world_size_and_batch_size(three)
         assert sorted(i for t, i in pairs if t == s) == sorted(want)
 
 
+def test_skipped_batches_leave_the_stream_of_the_others_at_1_2_and_4_ranks(three):
+    """[[train.skip]] across a batch stage (after 4 steps) and the data stage (after 7): the batches drawn are the
+    uninterrupted run's with the skipped ones taken out, at every world size, and a resume from the state alone
+    (with a rollback's skip in it) continues the same stream."""
+    _, corpus = three
+    stages = [(4, 24)]
+    ref_ld = GlobalBatchLoader(corpus, 12, 0, 0, 1, seed=0, batch_stages=stages)
+    ref = [_step_windows(ref_ld) for _ in range(16)]  # ref[k - 1]: the batch of data step k
+    skips = [(3, 5), (9, 9)]
+    kept = [ref[k - 1] for k in range(1, 17) if not any(a <= k <= b for a, b in skips)]
+    for world in (1, 2, 4):
+        loaders = [GlobalBatchLoader(corpus, 12, 0, r, world, seed=0, batch_stages=stages, skips=skips)
+                   for r in range(world)]
+        got = [torch.cat([_step_windows(ld) for ld in loaders]) for _ in range(len(kept))]
+        assert all(torch.equal(a, b) for a, b in zip(got, kept)), world
+    ld = GlobalBatchLoader(corpus, 12, 0, 0, 1, seed=0, batch_stages=stages, skips=[(3, 5)])
+    for _ in range(4):  # data steps 1, 2, 6, 7
+        ld.next_step()
+    saved = copy.deepcopy(ld.state)
+    saved.skips = [[9, 9]]  # as a rollback records it
+    resumed = [GlobalBatchLoader(corpus, 12, 0, r, 2, seed=0, batch_stages=stages, skips=[(3, 5)],
+                                 state=copy.deepcopy(saved)) for r in range(2)]
+    assert resumed[0].next_data_step() == 8
+    assert all(torch.equal(torch.cat([_step_windows(x) for x in resumed]), kept[k]) for k in range(4, len(kept)))
+
+
 def test_each_source_runs_its_own_reshuffled_epochs(three):
     _, corpus = three
     c = corpus.names.index("c")
