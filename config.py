@@ -106,6 +106,8 @@ class TrainConfig:
     """Consecutive steps the spike rule (train.spike_skip sigmas over train.spike_window steps) calls outliers that make a divergence; with train.spike_skip 0 only a non-finite loss or norm does."""
     rollback_margin: int = 1
     """A rollback loads a checkpoint of step <= first outlier - rollback_margin (>= 1: the checkpoint of the first outlier's own step already holds it)."""
+    rollback_lr_factor: float = 1.0
+    """Each rollback multiplies every LR of the schedule from then on by this factor, in (0, 1] (1: the LR is kept)."""
     float8: Literal["off", "tensorwise", "rowwise"] = "off"
     """Float8 matmuls in the blocks' Linear layers through torchao (pip install -e ".[float8]"; CUDA compute capability 8.9+: H100, H200 or newer): 'tensorwise' (float8 FSDP all-gather), 'rowwise' (closer to bf16, slower), or 'off'. The output projection stays in high precision; checkpoints are the same as without. train_fsdp.py only."""
     collective_timeout_s: float = 300.0
@@ -161,6 +163,9 @@ class TrainConfig:
             raise ConfigError(f"train.rollback_after must be >= 1 consecutive outlier steps with train.rollback on, "
                               f"got {self.rollback_after}; 2 tells a divergence from the single spike that "
                               f"train.spike_skip absorbs")
+        if not 0 < self.rollback_lr_factor <= 1:
+            raise ConfigError(f"train.rollback_lr_factor must be in (0, 1] (1: keep the LR), got "
+                              f"{self.rollback_lr_factor}")
         if self.rollback_margin < 1:
             raise ConfigError(f"train.rollback_margin must be >= 1 step, got {self.rollback_margin}: the checkpoint "
                               f"of the first outlier's step already holds that outlier")

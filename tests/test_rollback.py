@@ -104,14 +104,15 @@ def test_sigkill_after_a_rollback_then_resume_ends_as_the_uninterrupted_run(one_
     _assert_same(rd, one_rank, 1e-6)
 
 
-def test_nan_on_one_rank_rolls_back_every_rank_and_a_spent_budget_stops_with_one_line(tmp_path):
-    """NaN in rank 1's loss of batches 10 and 11, a budget of 1: a rollback to step 8 skipping 9-10 on both ranks,
-    then batch 11 diverges again: exit status 2, one line naming step 8's checkpoint, the checkpoints untouched."""
+def test_nan_on_one_rank_rolls_back_every_rank_and_a_spent_budget_stops_with_one_line(one_rank, tmp_path):
+    """NaN in rank 1's loss of batches 10, 12 and 13, a budget of 1 and an LR factor of 0.5: a rollback to step 8
+    skipping batches 9-10 on both ranks, step 9 at half the schedule's LR, then batch 12 diverges again at step
+    10: exit status 2, one line naming step 8's checkpoint, the checkpoints untouched."""
     rd = tmp_path / "nan"
     prepared_data_dir(rd)
     cmd = torchrun_command(2, "tests/diverge_worker.py", "--config", DEBUG, "--run_dir", rd, *PLAIN, *GUARD,
-                           "--train.rollback", "1")
-    proc = spawn(cmd, tmp_path / "log", env={"DIVERGE": "10-11:1:nan"})
+                           "--train.rollback", "1", "--train.rollback_lr_factor", "0.5")
+    proc = spawn(cmd, tmp_path / "log", env={"DIVERGE": "10-10,12-13:1:nan"})
     root = str(rd / "checkpoints")
     try:
         deadline = time.time() + 240
@@ -125,8 +126,11 @@ def test_nan_on_one_rank_rolls_back_every_rank_and_a_spent_budget_stops_with_one
     out = (tmp_path / "log").read_text()
     assert proc.returncode != 0 and re.search(r"exitcode\s*:\s*2", out), out[-3000:]
     assert [r["skip"] for r in _rollbacks(rd)] == [[9, 10]] and "non-finite" in _rollbacks(rd)[0]["trigger"]
+    lr = {r["step"]: r["lr"] for r in metrics(rd) if "loss" in r}
+    want = {r["step"]: r["lr"] for r in metrics(one_rank) if "loss" in r}  # the same schedule, no factor
+    assert max(lr) == 9 and lr[9] == pytest.approx(0.5 * want[9], rel=1e-12) and lr[8] == want[8]
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "step 9: non-finite gradient norm" in errors[0], errors
+    assert len(errors) == 1 and "step 10: non-finite gradient norm" in errors[0], errors
     assert "rollback budget is spent (train.rollback 1; 1 made, skipping data steps 9-10)" in errors[0]
     assert "step_00000008 (step 8)" in errors[0]
     assert list(at_rollback) == [4, 8] and {c: _tree_hash(p) for c, p in complete_checkpoints(root)} == at_rollback
