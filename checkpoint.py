@@ -27,7 +27,6 @@ import shutil
 import warnings
 from concurrent.futures import Future
 
-import tomllib
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -123,9 +122,17 @@ class AppState(Stateful):
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        # The config in force is this run's: the saved optimizer brings its moments, momentum buffers
+        # and step counts, but every group's hyperparameters (lr, weight_decay, betas, eps, momentum)
+        # and the schedule's base LRs are the ones this run's optimizer was built with.
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        base_lrs = list(self.scheduler.base_lrs)
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        for group, values in zip(self.optimizer.param_groups, hyper):
+            group.update(values)
         self.scheduler.load_state_dict(sd["scheduler"])
-        reapply_schedule(self.scheduler)  # this run's train.steps, not the saved run's
+        self.scheduler.base_lrs = base_lrs
+        reapply_schedule(self.scheduler)  # this run's train.steps and optim.lr, not the saved run's
         for k, v in sd["train"].items():
             setattr(self.train_state, k, v)
         for k, v in sd["data"].items():
@@ -198,37 +205,6 @@ def check_compatible(path: str, model_shapes: dict[str, torch.Size]) -> None:
         raise CheckpointError(
             f"checkpoint '{path}' was saved from another model ({shown}); "
             f"use the model config it was trained with, or another run directory"
-        )
-
-
-def saved_config(path: str) -> dict:
-    """The config a checkpoint was saved with (its config.toml as a dict of sections; {} if it has none).
-
-    Raises CheckpointError naming the file if it cannot be read.
-    """
-    saved_file = fs.join(path, CONFIG_FILE)
-    try:
-        return tomllib.loads(fs.read_bytes(saved_file).decode())
-    except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise CheckpointError(f"checkpoint '{path}': cannot read '{saved_file}': {e}") from e
-
-
-def check_same_config(path: str, section: str, current: dict) -> None:
-    """Compare a checkpoint's saved [section] (its config.toml) with the current values.
-
-    Catches what shapes cannot (e.g. model.rope_theta, or n_heads vs head_dim at equal
-    widths) and names the fields. Checkpoints without a config.toml, and fields they lack,
-    are not checked. Raises CheckpointError naming each differing field with both values.
-    """
-    saved = saved_config(path).get(section, {})
-    diffs = [f"{section}.{k}: checkpoint {saved[k]!r}, now {v!r}" for k, v in current.items()
-             if k in saved and saved[k] != v]
-    if diffs:
-        raise CheckpointError(
-            f"checkpoint '{path}' was saved with other settings ({'; '.join(diffs)}); "
-            f"use the settings it was trained with, or another run directory"
         )
 
 
@@ -340,7 +316,7 @@ class Checkpointer:
         try:
             dcp.load({"app": target}, checkpoint_id=path, storage_reader=fs.dcp_reader(path))
         except CheckpointException as e:  # DCP gathers every rank's failure, so all ranks get here
-            failures = "; ".join(f"rank {r}: {type(err[0]).__name__}: {str(err[0])[:80]}"
+            failures = "; ".join(f"rank {r}: {one_line(err[0])}"
                                  for r, err in sorted(e.failures.items())[:2])
             raise CheckpointError(f"checkpoint '{path}' is damaged, it cannot be read ({failures}); resume from "
                                   f"another one with --checkpoint.load_from, or move this one away") from e

@@ -79,7 +79,7 @@ def report(e: UserError) -> None:
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:
-    """An exception as one short line: 'Type: message', whitespace collapsed, cut to limit characters.
+    """An exception as one short line: 'Type: message', whitespace collapsed, cut at a space to limit characters.
 
     A DCP CheckpointException (whose text is a traceback) becomes its first rank's exception.
     """
@@ -89,4 +89,4 @@ def one_line(e: BaseException, limit: int = 200) -> str:
         return f"rank {rank}: {one_line(exc, limit)}"
     message = " ".join(str(e).split())
     text = f"{type(e).__name__}: {message}" if message else type(e).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[:limit - 4].rsplit(" ", 1)[0] + " ..."  # never mid-name

@@ -148,6 +148,13 @@ def reapply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
 
 
+def scale_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, factor: float) -> None:
+    """Multiply the schedule's base LRs by factor (train.rollback_lr_factor ** rollbacks) and set the LRs in force."""
+    if factor != 1.0:
+        scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
+        reapply_schedule(scheduler)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, fused: bool = True,
                     batch_schedule: list[tuple[int, int]] = ((0, 1),)):
     """(optimizer, LambdaLR over all its param groups) for model, by cfg.name, scheduled to total_steps.

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import checkpoint as ckpt_lib
 from config import parse_config
+from core.errors import UserError
 from launch import (
     DEBUG,
     REFERENCE_ARGS,
@@ -268,3 +269,37 @@ def test_a_checkpoints_path_that_is_not_a_directory_stops_before_training(tmp_pa
     with pytest.raises(ckpt_lib.CheckpointError, match="step_00000006.tmp' is not a checkpoint directory"):
         ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(), str(tmp_path / "checkpoints"), 0).clean_partial()
     assert (tmp_path / "checkpoints" / "step_00000006.tmp").read_text() == "x"
+
+
+def test_optimizer_settings_changed_on_resume_are_the_ones_in_force(tmp_path, single_rank_group):
+    """optim.lr, weight_decay, beta2 and muon_momentum changed on resume: the groups hold the new values, the LR of
+    every later step is the new lr times the same schedule (the reference: the uninterrupted run's LR x 0.5), and the
+    start-up note names each change."""
+    rd, muon = tmp_path / "run", ("--optim.name", "muon")
+    a = _session(rd, *muon)
+    _steps(a, 4)
+    a.ckpt.save(4, a.app)
+    b = _session(rd, *muon, "--optim.lr", "1.5e-3", "--optim.weight_decay", "0", "--optim.beta2", "0.9",
+                 "--optim.muon_momentum", "0.8")
+    for change in ("optim.lr 0.003 -> 0.0015", "optim.weight_decay 0.1 -> 0.0", "optim.beta2 0.99 -> 0.9",
+                   "optim.muon_momentum 0.95 -> 0.8"):
+        assert change in b.resume_note, b.resume_note
+    groups = b.optimizer.param_groups
+    assert all(g["weight_decay"] == 0 and g["betas"][1] == 0.9 for g in groups)
+    assert [g["momentum"] for g in groups if g.get("muon")] == [0.8]
+    assert b.optimizer.state_dict()["state"].keys() == a.optimizer.state_dict()["state"].keys()  # moments kept
+    for _ in range(3):
+        assert b.scheduler.get_last_lr() == pytest.approx([0.5 * lr for lr in a.scheduler.get_last_lr()], rel=1e-12)
+        _steps(a, 1)
+        _steps(b, 1)
+
+
+def test_another_optimizer_on_resume_is_named_not_called_damaged(tmp_path, single_rank_group):
+    rd = tmp_path / "run"
+    a = _session(rd, "--optim.name", "muon")
+    a.ckpt.save(0, a.app)
+    with pytest.raises(UserError) as e:
+        _session(rd, "--optim.name", "adamw")
+    msg = str(e.value)
+    assert "holds the state of optim.name 'muon', but this run has 'adamw'" in msg and "--optim.name muon" in msg
+    assert "damaged" not in msg

@@ -18,7 +18,7 @@ row, raised before the update and alike on every rank) every rank:
 The count is saved in the train state; once train.rollback are made, the next divergence
 stops the run with one line naming the newest good checkpoint and the skips, every checkpoint
 kept. train.rollback_lr_factor f < 1 scales the schedule by f after each rollback (f^n after
-n), and a checkpoint's schedule holds the scaled LRs.
+n rollbacks, also when a resume loads a checkpoint saved after them).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from core.errors import TrainingError
 from data_pipeline.loader import merge_ranges
 from observability.metrics import MetricsLog
 from observability.progress import Progress
-from optimization.optimizers import reapply_schedule
+from optimization.optimizers import scale_lr
 from parallel import distributed
 from storage import fs
 from training.session import Session
@@ -57,7 +57,7 @@ class Rollback:
         diverged_batch, skips = s.loader.state.steps, [list(r) for r in s.loader.state.skips]
         distributed.on_rank0(lambda: _remove_after(s.ckpt.root, to_step), s.rank)
         s.ckpt.load(path, s.app)
-        _lower_lr(s.scheduler, t.rollback_lr_factor ** (made + 1 - s.train_state.rollbacks))
+        scale_lr(s.scheduler, t.rollback_lr_factor ** (made + 1))  # the load set this run's optim.lr
         s.loader.state.skips = skips  # the loaded state may predate earlier rollbacks: their skips stay
         skip = [s.loader.next_data_step(), diverged_batch]
         s.loader.state.skips = merge_ranges([*map(tuple, skips), tuple(skip)])
@@ -81,13 +81,6 @@ class Rollback:
                      f"{skipped}); the newest good checkpoint is {target[1]} (step {target[0]})")
         return (f"step {d.step}: {d.trigger}; {where}; stopped before the update, every checkpoint kept; raise "
                 f"train.rollback or add [[train.skip]] tables, then run the same command")
-
-
-def _lower_lr(scheduler, factor: float) -> None:
-    """Multiply the schedule's base LRs (saved with every checkpoint from then on) by factor, and the LRs in force."""
-    if factor != 1.0:
-        scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
-        reapply_schedule(scheduler)
 
 
 def _newest_at_most(root: str, step: int) -> tuple[int, str] | None:

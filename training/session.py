@@ -12,20 +12,22 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 import hf
-from checkpoint import AppState, Checkpointer, check_compatible, check_same_config, saved_config
+from checkpoint import AppState, Checkpointer
 from config import Config, check_tokenizer
 from core import cli
 from core.errors import SetupError, UserError
-from data import PackedCorpus, mixture_note
+from data import PackedCorpus
 from data_pipeline import datacache
 from data_pipeline.loader import DataState, GlobalBatchLoader
 from evaluation.downstream import Task, load_tasks
-from model import Transformer, num_params
+from model import num_params
 from nn.loss import has_tp
+from optimization.optimizers import scale_lr
 from parallel import distributed
 from parallel.parallelize import TPPlan, build_mesh, copy_sharded, dp_mesh
 from prepare import prepare_on_all_ranks
 from storage.rundir import RunDir
+from training.resume import resume_point
 from training.step import Trainable, build_trainable
 
 
@@ -80,30 +82,12 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.root(cfg.run_dir), rank, cli.to_toml(cfg))
     app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, data_state, rank)
 
-    def find_resume():
-        ckpt.clean_partial()
-        path = ckpt.resume_path()
-        if path is None:
-            return None, ""
-        # Fields first: they name what differs, where shapes could only list tensors.
-        check_same_config(path, "model", dataclasses.asdict(cfg.model))
-        # The data cursor counts windows of seq_len among the train windows: another length or
-        # split would point it elsewhere in the corpus.
-        check_same_config(path, "data", {"seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction})
-        check_same_config(path, "train", {"seed": cfg.train.seed})  # it seeds the data order too
-        with torch.device("meta"):
-            check_compatible(path, {k: v.shape for k, v in Transformer(cfg.model).state_dict().items()})
-        batch = saved_config(path).get("train", {}).get("global_batch_size", cfg.train.global_batch_size)
-        note = "" if batch == cfg.train.global_batch_size else \
-            f"train.global_batch_size {batch} -> {cfg.train.global_batch_size} (the data position is kept, in samples)"
-        mix = mixture_note(saved_config(path).get("data", {}), cfg.data)
-        return path, "; ".join(n for n in (note, mix) if n)
-
-    path, note = distributed.on_rank0(find_resume, rank) if resume else (None, "")
+    path, note = distributed.on_rank0(lambda: resume_point(cfg, ckpt), rank) if resume else (None, "")
     tasks = distributed.on_rank0(lambda: load_tasks(cfg.eval, meta["tokenizer"], cfg.model.max_seq_len),
                                  rank) if cfg.eval.tasks else []
     if path is not None:
         ckpt.load(path, app)
+        scale_lr(tr.scheduler, cfg.train.rollback_lr_factor ** tr.train_state.rollbacks)
     elif cfg.init_from_hf:  # every rank reads the folder and keeps its own shards: no communication
         hf.load_hf_into(tr.model, cfg.init_from_hf, copy_=copy_sharded)
     return Session(**vars(tr), corpus=corpus, loader=loader, micro_batch_size=micro, ckpt=ckpt, app=app, meta=meta,

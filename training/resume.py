@@ -1,0 +1,97 @@
+"""Where a run starts from, and what a resume may change: the checks before a checkpoint is loaded.
+
+A resume continues the checkpoint's state under this command's config. What cannot change (the
+model, the data cursor's windows, the seed, the optimizer whose state it holds) is refused in
+one line naming the field; what can change is named in the start-up line, value by value, and
+then honoured (the optimizer's hyperparameters and the schedule come from the config:
+checkpoint.AppState.load_state_dict).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import tomllib
+import torch
+
+from checkpoint import Checkpointer, CheckpointError, check_compatible
+from config import Config
+from data import mixture_note
+from model import Transformer
+from storage import fs
+from storage.rundir import CONFIG_FILE
+
+
+def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
+    """(checkpoint to resume from or None, the start-up line's note of what changed) on rank 0.
+
+    Removes what a crash left first (Checkpointer.clean_partial). Raises CheckpointError when the
+    checkpoint does not fit this model, data cursor, seed or optimizer.
+    """
+    ckpt.clean_partial()
+    path = ckpt.resume_path()
+    if path is None:
+        return None, ""
+    # Fields first: they name what differs, where shapes could only list tensors.
+    check_same_config(path, "model", dataclasses.asdict(cfg.model))
+    # The data cursor counts windows of seq_len among the train windows: another length or
+    # split would point it elsewhere in the corpus.
+    check_same_config(path, "data", {"seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction})
+    check_same_config(path, "train", {"seed": cfg.train.seed})  # it seeds the data order too
+    saved = saved_config(path)
+    check_same_optimizer(path, saved.get("optim", {}).get("name", cfg.optim.name), cfg.optim.name)
+    with torch.device("meta"):
+        check_compatible(path, {k: v.shape for k, v in Transformer(cfg.model).state_dict().items()})
+    batch = saved.get("train", {}).get("global_batch_size", cfg.train.global_batch_size)
+    notes = [] if batch == cfg.train.global_batch_size else \
+        [f"train.global_batch_size {batch} -> {cfg.train.global_batch_size} (the data position is kept, in samples)"]
+    notes += changed(saved, "optim", dataclasses.asdict(cfg.optim))
+    notes.append(mixture_note(saved.get("data", {}), cfg.data))
+    return path, "; ".join(n for n in notes if n)
+
+
+def changed(saved: dict, section: str, current: dict) -> list[str]:
+    """'section.field old -> new' for every field of section whose saved value (config.toml) differs."""
+    old = saved.get(section, {})
+    return [f"{section}.{k} {old[k]!r} -> {v!r}".replace("'", "") for k, v in current.items()
+            if k in old and old[k] != (list(v) if isinstance(v, tuple) else v)]
+
+
+def check_same_optimizer(path: str, saved: str, current: str) -> None:
+    """Raise CheckpointError when the checkpoint holds the state of another optim.name than this run's."""
+    if saved != current:
+        raise CheckpointError(
+            f"checkpoint '{path}' holds the state of optim.name {saved!r}, but this run has {current!r}: one "
+            f"optimizer's state cannot continue as another's; resume with --optim.name {saved}, or start a new "
+            f"--run_dir from its weights alone (python hf.py export --run_dir RUN --checkpoint {path} --out DIR, "
+            f"then --init_from_hf DIR)")
+
+
+def saved_config(path: str) -> dict:
+    """The config a checkpoint was saved with (its config.toml as a dict of sections; {} if it has none).
+
+    Raises CheckpointError naming the file if it cannot be read.
+    """
+    saved_file = fs.join(path, CONFIG_FILE)
+    try:
+        return tomllib.loads(fs.read_bytes(saved_file).decode())
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise CheckpointError(f"checkpoint '{path}': cannot read '{saved_file}': {e}") from e
+
+
+def check_same_config(path: str, section: str, current: dict) -> None:
+    """Compare a checkpoint's saved [section] (its config.toml) with the current values.
+
+    Catches what shapes cannot (e.g. model.rope_theta, or n_heads vs head_dim at equal
+    widths) and names the fields. Checkpoints without a config.toml, and fields they lack,
+    are not checked. Raises CheckpointError naming each differing field with both values.
+    """
+    saved = saved_config(path).get(section, {})
+    diffs = [f"{section}.{k}: checkpoint {saved[k]!r}, now {v!r}" for k, v in current.items()
+             if k in saved and saved[k] != v]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint '{path}' was saved with other settings ({'; '.join(diffs)}); "
+            f"use the settings it was trained with, or another run directory"
+        )
