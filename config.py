@@ -329,9 +329,9 @@ def validate(cfg: Config, world_size: int) -> None:
                 f"({cfg.model.vocab_size}); lower the first or raise the second"
             )
     check_tasks(cfg.eval)
-    check_run_dir(cfg.run_dir)
     check_location(cfg.checkpoint.dir, "--checkpoint.dir")
     check_location(cfg.checkpoint.load_from, "--checkpoint.load_from")
+    check_run_dir(cfg.run_dir)
     if d.prepared:
         check_location(d.prepared, "--data.prepared")
         vocab = datacache.remote_meta(d)["vocab_size"]  # and its settings against d
@@ -345,17 +345,29 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 def check_run_dir(run_dir: str) -> None:
-    """Create run_dir if it does not exist and check that files can be written in it.
+    """Check that run_dir can be written: an existing directory, or one its nearest existing parent lets us create.
 
-    Raises SetupError naming it (empty, a file, unwritable, an impossible path) and the fix.
+    Creates nothing (lock_run_dir creates it when the run starts), so a start refused later
+    leaves no trace. Raises SetupError naming it (empty, a file, unwritable, an impossible
+    path) and the fix.
     """
     if not run_dir:
         raise SetupError("--run_dir is empty; give the directory of the run, e.g. --run_dir runs/debug")
     try:
-        os.makedirs(run_dir, exist_ok=True)
-        probe = os.path.join(run_dir, f".write_probe_{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
+        if os.path.isdir(run_dir):
+            probe = os.path.join(run_dir, f".write_probe_{os.getpid()}")
+            open(probe, "w").close()
+            os.remove(probe)
+            return
+        if os.path.lexists(run_dir):
+            raise NotADirectoryError(20, "not a directory")
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        while not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(20, f"'{parent}' is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PermissionError(13, f"'{parent}' is not writable")
     except (OSError, ValueError) as e:  # ValueError: e.g. a NUL byte in the path
         reason = e.strerror if isinstance(e, OSError) else str(e)
         raise SetupError(f"--run_dir {run_dir!r} is not writable ({reason}); choose another directory") from e

@@ -166,16 +166,17 @@ def tokenizer_path(cfg: DataConfig, run_dir: str) -> str:
 def publish(out_dir: str, url: str) -> None:
     """Upload a prepared directory (out_dir, local) to url: tokenizer.json and the token files, meta.json last.
 
-    Files already there with the same size are not sent again. Raises DataError naming the file
-    when an upload fails.
+    A file already there is sent again unless its SHA-256 is the local file's (a size alone would
+    keep a corrupted object that fetch then refuses). Raises DataError naming the file when an
+    upload fails.
     """
     meta = read_meta(out_dir)
     files = ["tokenizer.json", *(r["file"] for r in meta["sources"].values()), "meta.json"]
     for rel in files:
         local, remote = os.path.join(out_dir, rel), fs.join(url, rel)
         try:
-            if rel != "meta.json" and fs.isfile(remote) and \
-                    fs.size(remote) == os.path.getsize(local):
+            if rel != "meta.json" and fs.isfile(remote) and fs.size(remote) == os.path.getsize(local) \
+                    and fs.sha256(remote) == sha256_file(local):
                 continue
             fs.upload(local, remote)
         except OSError as e:

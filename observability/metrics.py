@@ -134,14 +134,19 @@ class MetricsLog:
 
     def _start(self, step: int, rollbacks_before: float) -> None:
         run_dir, metrics, config = self._open
-        dropped = self._drop_after(step, rollbacks_before)
+        kept, dropped = self._kept(step, rollbacks_before)
+        if metrics.wandb:  # first: a W&B start that is refused leaves metrics.jsonl and the run directory as they were
+            self.wandb = WandbLog(run_dir, config, step, rewind=dropped, project=metrics.wandb_project,
+                                  entity=metrics.wandb_entity, name=metrics.wandb_run_name, group=metrics.wandb_group)
+        if kept is not None:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.path)
         if metrics.tensorboard:
             check_metrics(MetricsConfig(tensorboard=True))
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(RunDir(run_dir).tensorboard, purge_step=step + 1)
-        if metrics.wandb:
-            self.wandb = WandbLog(run_dir, config, step, rewind=dropped, project=metrics.wandb_project,
-                                  entity=metrics.wandb_entity, name=metrics.wandb_run_name, group=metrics.wandb_group)
 
     def rewind(self, step: int) -> None:
         """Go back to step after a rollback (training/rollback.py): later records dropped, as at a resume, except
@@ -152,14 +157,15 @@ class MetricsLog:
         self.tb = self.wandb = None
         self._start(step, rollbacks_before=math.inf)
 
-    def _drop_after(self, step: int, rollbacks_before: float) -> bool:
-        """Drop the records of steps after step; True when a whole record was dropped (W&B may hold its step).
+    def _kept(self, step: int, rollbacks_before: float) -> tuple[list[str] | None, bool]:
+        """(metrics.jsonl's lines without the records of steps after step, or None when that is all of them; whether
+        a whole record is dropped, whose step W&B may hold).
 
         A rollback record of a later step stays when it went back to a step before
         rollbacks_before: the state resumed from was saved after it, so it counts that rollback.
         """
         if not os.path.exists(self.path):
-            return False
+            return None, False
         with open(self.path) as f:
             lines = [line for line in f if line.strip()]
         kept, dropped = [], False
@@ -173,12 +179,7 @@ class MetricsLog:
                     dropped = dropped or "rollback" not in record
             except ValueError:  # cut by a crash mid-write, before TensorBoard or W&B got it: resuming from before it
                 pass
-        if kept != lines:
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(kept)
-            os.replace(tmp, self.path)
-        return dropped
+        return (None if kept == lines else kept), dropped
 
     def note(self, record: dict) -> None:
         """Append record (an int "step" and anything JSON holds) to metrics.jsonl only: an event, not a scalar."""

@@ -45,20 +45,26 @@ def check_wandb(run_dir: str = "") -> None:
         _saved_id(path)
 
 
-def run_id(run_dir: str) -> str:
-    """The W&B run id of run_dir: 8 random base-36 digits (as W&B makes them), written on the first start (atomically).
+def run_id(run_dir: str) -> tuple[str, bool]:
+    """(the W&B run id of run_dir, whether it is new): the id file's, or 8 random base-36 digits (as W&B makes them).
 
-    Raises SetupError naming the id file when it holds no usable id (empty, or a character W&B refuses).
+    A new id is not written here: save_run_id writes it once W&B started the run, so a refused
+    start leaves the run directory as it was. Raises SetupError naming the id file when it
+    holds no usable id (empty, or a character W&B refuses).
     """
     path = RunDir(run_dir).wandb_id
     if os.path.exists(path):
-        return _saved_id(path)
-    found = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        return _saved_id(path), False
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8)), True
+
+
+def save_run_id(run_dir: str, rid: str) -> None:
+    """Write rid into run_dir's id file (atomically), for every later start to continue the same W&B run."""
+    path = RunDir(run_dir).wandb_id
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        f.write(found + "\n")
+        f.write(rid + "\n")
     os.replace(tmp, path)
-    return found
 
 
 class WandbLog:
@@ -78,25 +84,28 @@ class WandbLog:
     def __init__(self, run_dir: str, config: dict, resume_step: int, rewind: bool, project: str = "",
                  entity: str = "", name: str = "", group: str = ""):
         wandb = require("wandb", "wandb", "metrics.wandb = true", "set it to false")
-        rid = run_id(run_dir)
+        rid, new = run_id(run_dir)
         base = dict(project=project or None, entity=entity or None,
                     name=name or os.path.basename(os.path.abspath(run_dir)),
                     group=group or None, dir=RunDir(run_dir).root, config=config,
                     allow_val_change=True)  # a resumed run may change train.steps, say
+        self.run = None
         try:
             if rewind:
                 try:
                     self.run = wandb.init(**base, resume_from=f"{rid}?_step={resume_step}")
-                    return
                 except wandb.Error as e:
                     print(f"[wandb] notice: W&B refused to rewind run {rid} to step {resume_step} ({one_line(e)}); "
                           f"continuing it instead, so W&B keeps the earlier values of the steps after "
                           f"{resume_step} (metrics.jsonl holds the new ones)", file=sys.stderr, flush=True)
-            self.run = wandb.init(**base, id=rid, resume="allow")
+            if self.run is None:
+                self.run = wandb.init(**base, id=rid, resume="allow")
         except Exception as e:  # wandb.Error, and pydantic's errors for bad WANDB_* settings, among others
             raise SetupError(f"metrics.wandb = true: W&B could not start run {rid} ({one_line(e)}); check the "
                              f"WANDB_* variables, run `wandb login`, set WANDB_MODE=offline, or set "
                              f"metrics.wandb = false") from None
+        if new:
+            save_run_id(run_dir, rid)
 
     def log(self, step: int, values: dict) -> None:
         """Log values ({name: number}) at step; the values of one step logged in several calls make one W&B row."""

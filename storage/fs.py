@@ -3,9 +3,10 @@
     /data/run1/checkpoints         a local directory (os and shutil, as always)
     s3://bucket/prefix             S3 or any S3-compatible store (MinIO, R2, SeaweedFS, ...) through s3fs
 
-A URL goes through fsspec (s3fs for ``s3://``; another fsspec scheme works where its package
-is installed), and DCP writes and reads it with its own FsspecWriter/FsspecReader: this module
-holds no S3 client of its own. The endpoint and credentials are never configured here: botocore
+A location is exactly a local path or an ``s3://`` URL: check_location refuses anything else
+that looks like a URL (another scheme, ``file://``, or ``s3:/`` with one slash, which would
+otherwise be a local folder named ``s3:``). The URL goes through fsspec's s3fs, and DCP writes
+and reads it with its own FsspecWriter/FsspecReader: this module holds no S3 client of its own. The endpoint and credentials are never configured here: botocore
 reads them itself from the standard variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, or ``~/.aws``), so one command runs against
 AWS, MinIO, R2 or a local test server alike.
@@ -19,7 +20,9 @@ otherwise (botocore reads those too).
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 from typing import Any, Callable
 
@@ -30,6 +33,10 @@ from core.errors import UserError, one_line, require
 
 S3_RETRIES = {"mode": "standard", "max_attempts": 10}
 """botocore's retry settings for s3:// (about 20 s of backoff before a store counts as down)."""
+
+
+_LOOKS_LIKE_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+"""A scheme and one slash (s3:/bucket): a URL mistyped, not a local path anyone means."""
 
 
 class StorageError(UserError):
@@ -87,28 +94,36 @@ def filesystem(path: str):
 def check_location(path: str, field: str) -> None:
     """Check that a URL can be used before any collective: scheme, package, credentials, bucket, endpoint.
 
-    Local paths are not checked here (their callers create and probe them). Raises StorageError
-    (or MissingPackageError without s3fs) naming field and the fix; nothing is written.
+    Local paths are not checked here (their callers create and probe them), except one that looks
+    like a mistyped URL (s3:/x); a scheme other than s3:// (file://, gs://, ftp://, ...) is refused.
+    The bucket probe gives up within seconds. Raises StorageError (or MissingPackageError without
+    s3fs) naming field and the fix; nothing is written.
     """
     if not is_url(path):
+        if _LOOKS_LIKE_URL.match(str(path)):
+            raise StorageError(f"{field} {path}: this looks like a URL with one slash, which would be a local folder "
+                               f"named '{str(path).split(':', 1)[0]}:'; write s3://BUCKET/PREFIX, or ./{path} for a "
+                               f"local folder")
         return
-    if scheme(path) == "s3":
-        require("s3fs", "s3", f"{field} {path}")
-    try:
-        fs, inner = filesystem(path)
-    except StorageError as e:
-        raise StorageError(f"{field} {e}") from None
     if scheme(path) != "s3":
-        return
-    import botocore.session  # s3fs depends on botocore: present once filesystem() succeeded
+        local = " (for a local folder, give its path without file://)" if scheme(path) == "file" else ""
+        raise StorageError(f"{field} {path}: '{scheme(path)}://' is not supported: use a local path or "
+                           f"s3://BUCKET/PREFIX{local}")
+    require("s3fs", "s3", f"{field} {path}")
+    import botocore.session  # s3fs depends on botocore
 
     if botocore.session.get_session().get_credentials() is None:
         raise StorageError(f"{field} {path}: no S3 credentials found; set AWS_ACCESS_KEY_ID and "
                            f"AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a store other than AWS)")
-    bucket = inner.split("/", 1)[0]
+    bucket = str(path).split("://", 1)[1].split("/", 1)[0]
     endpoint = os.environ.get("AWS_ENDPOINT_URL", "AWS's default endpoint")
+    # A probe of its own, bounded: a wrong or missing AWS_ENDPOINT_URL must fail in seconds, not
+    # after the minute of retries that a store that is down mid-run deserves.
+    probe = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False,
+                              config_kwargs={"connect_timeout": 3, "read_timeout": 5,
+                                             "retries": {"mode": "standard", "max_attempts": 2}})
     try:
-        fs.ls(bucket, detail=False)
+        probe.ls(bucket, detail=False)
     except FileNotFoundError:
         raise StorageError(f"{field} {path}: bucket '{bucket}' does not exist at {endpoint}; create it "
                            f"(aws s3 mb s3://{bucket}) or fix the URL or AWS_ENDPOINT_URL") from None
@@ -153,6 +168,20 @@ def size(path: str) -> int:
         return os.path.getsize(path)
     fs, inner = filesystem(path)
     return fs.size(inner)
+
+
+def sha256(path: str) -> str:
+    """Hex SHA-256 of the file at path (local or URL), read in 16 MiB blocks; OSError when it cannot be read."""
+    h = hashlib.sha256()
+    if is_url(path):
+        fs, inner = filesystem(path)
+        f = fs.open(inner, "rb", block_size=1 << 24)
+    else:
+        f = open(path, "rb")
+    with f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_bytes(path: str) -> bytes:

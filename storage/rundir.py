@@ -101,6 +101,7 @@ def lock_run_dir(run_dir: str):
     SIGKILL, so no stale lock survives a crash. File systems without locks are not guarded.
     Raises SetupError naming the holder.
     """
+    os.makedirs(run_dir, exist_ok=True)  # config.check_run_dir checked it can be, and created nothing
     f = open(RunDir(run_dir).lock, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

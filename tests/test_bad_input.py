@@ -1,5 +1,6 @@
 """Every bad input fails early with one short message naming the field or file and the fix,
 exits with status 2, and leaves an existing run directory exactly as it was."""
+import hashlib
 import json
 import os
 import shutil
@@ -321,3 +322,20 @@ def test_a_damaged_checkpoint_is_named_on_resume(existing_run, tmp_path):
         f.truncate(os.path.getsize(shard) // 2)
     rc, err = _bad_data_run(rd, "--train.steps", "3")
     assert rc != 0 and f"checkpoint '{newest}' is damaged, it cannot be read (rank 0:" in err[0], err
+
+
+@pytest.mark.slow
+def test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused(existing_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A job moved to a new location (or a typo in checkpoint.dir) must not start over and drop the run's history."""
+    def digest(name):
+        with open(os.path.join(existing_run, name), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    kept = {name: digest(name) for name in ("metrics.jsonl", "config.toml")}
+    new = tmp_path / "elsewhere"
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), "--checkpoint.dir", str(new))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"checkpoint.dir {new} holds no checkpoint, but run directory {existing_run} has its checkpoints in " \
+           f"{existing_run}/checkpoints (newest: step" in err and "--checkpoint.load_from" in err, err
+    assert {name: digest(name) for name in kept} == kept and not any(new.iterdir() if new.exists() else [])

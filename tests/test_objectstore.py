@@ -16,6 +16,9 @@ import generate
 import hf
 import prepare
 import train_fsdp
+from config import parse_config
+from data import DataError
+from data_pipeline import datacache
 from launch import DEBUG, REFERENCE_ARGS, losses, metrics, prepared_data_dir, spawn, torchrun_command, wait_for_step
 from model import PRESETS, ModelArgs, Transformer
 from parallel import distributed
@@ -62,8 +65,14 @@ def _refused(monkeypatch, capsys, *argv) -> str:
 
 def test_bad_checkpoint_locations_are_one_line_before_anything_starts(s3, tmp_path, monkeypatch, capsys):
     rd = str(tmp_path / "run")
-    line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.dir", "nosuch://b/p")
-    assert "unknown URL scheme 'nosuch://'" in line
+    for bad, words in (("nosuch://b/p", "'nosuch://' is not supported: use a local path or s3://BUCKET/PREFIX"),
+                       ("ftp://host/x", "'ftp://' is not supported"), ("gs://b/x", "'gs://' is not supported"),
+                       ("file:///tmp/x", "give its path without file://"),
+                       ("s3:/bucket/x", "looks like a URL with one slash, which would be a local folder named 's3:'")):
+        start = time.perf_counter()
+        line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.dir", bad)
+        assert words in line and time.perf_counter() - start < 10, (bad, line)
+    assert not os.path.exists("s3:")
     line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.dir", "s3://no-such-bucket/run")
     assert "bucket 'no-such-bucket' does not exist" in line and s3["AWS_ENDPOINT_URL"] in line
     line = _refused(monkeypatch, capsys, "--run_dir", rd, "--checkpoint.load_from", "s3://no-such-bucket/x")
@@ -193,3 +202,23 @@ def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_lik
     assert hf.main(["export", "--run_dir", str(rd), "--out", str(tmp_path / "hf")]) == 0
     model, _ = generate.load_model(str(rd))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in remote.items())
+
+
+def test_a_corrupted_object_is_uploaded_again_by_publish_and_training_data_fetches(s3, tmp_path):
+    """An object of the published data with the right size but other bytes: fetch refuses it and advises publishing
+    again; publish compares SHA-256, not size, so it sends the object again, and fetch then succeeds."""
+    rd, url = tmp_path / "run", f"s3://{BUCKET}/republish"
+    prepared_data_dir(rd)
+    local = str(rd / "data")
+    datacache.publish(local, url)
+    rel = next(r["file"] for r in datacache.read_meta(local)["sources"].values())
+    good = fs.read_bytes(fs.join(url, rel))
+    fs.write_bytes(fs.join(url, rel), bytes(b ^ 0xFF for b in good[:64]) + good[64:])
+    cfg = parse_config(["--config", DEBUG, "--data.prepared", url]).data
+    with pytest.raises(DataError, match="does not match its meta.json .* publish the directory again"):
+        datacache.fetch(cfg, str(tmp_path / "cache1"))
+    datacache.publish(local, url)
+    assert fs.read_bytes(fs.join(url, rel)) == good
+    folder, _ = datacache.fetch(cfg, str(tmp_path / "cache2"))
+    with open(os.path.join(folder, rel), "rb") as f:
+        assert f.read() == good

@@ -118,7 +118,7 @@ def test_a_bad_run_id_file_names_the_file(tmp_path, content):
     with open(path, "w") as f:
         f.write(content)
     with pytest.raises(SetupError, match=f"^{path} holds .*, not a W&B run id; .* or delete the file"):
-        wandblog.run_id(str(tmp_path))
+        wandblog.run_id(str(tmp_path))  # noqa: B018
 
 
 @pytest.mark.parametrize("project", ["team/proj", "a:b", "x" * 129])
@@ -151,3 +151,19 @@ def test_a_bad_id_file_or_wandb_mode_stops_the_run_before_anything_is_written(tm
     line = refused(train_fsdp.main, argv, capsys)
     assert "WANDB_MODE='bogus' is not a W&B mode; use one of online, offline, disabled" in line, line
     assert sorted(os.listdir(rd)) == []  # no config.toml, no data: refused before the run started
+
+
+def test_a_refused_w_and_b_start_leaves_the_run_directory_byte_identical(tmp_path, monkeypatch):
+    """A finished run directory, resumed at step 4 with records of step 5 in metrics.jsonl and no W&B id yet: a
+    W&B that refuses to start writes no id file and drops no record."""
+    log = MetricsLog(str(tmp_path), True, 0, None, {})
+    log_steps(log, range(1, 6), 1.0)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def init(**kw):
+        raise wandb.errors.UsageError("api_key not configured (no-tty)")
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(SetupError, match="W&B could not start run"):
+        MetricsLog(str(tmp_path), True, 4, CFG, {})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

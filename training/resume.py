@@ -8,17 +8,18 @@ checkpoint.AppState.load_state_dict).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import tomllib
 import torch
 
-from checkpoint import Checkpointer, CheckpointError, check_compatible
+from checkpoint import CheckpointConfig, Checkpointer, CheckpointError, check_compatible, complete_checkpoints
 from config import Config
 from data import mixture_note
 from model import Transformer
 from storage import fs
-from storage.rundir import CONFIG_FILE
+from storage.rundir import CONFIG_FILE, RunDir
 
 
 def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
@@ -30,6 +31,7 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     ckpt.clean_partial()
     path = ckpt.resume_path()
     if path is None:
+        check_not_moved(cfg, ckpt.root)
         return None, ""
     # Fields first: they name what differs, where shapes could only list tensors.
     check_same_config(path, "model", dataclasses.asdict(cfg.model))
@@ -47,6 +49,35 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     notes += changed(saved, "optim", dataclasses.asdict(cfg.optim))
     notes.append(mixture_note(saved.get("data", {}), cfg.data))
     return path, "; ".join(n for n in notes if n)
+
+
+def check_not_moved(cfg: Config, root: str) -> None:
+    """Refuse a fresh start in root when the run directory's checkpoints are elsewhere (CheckpointError).
+
+    Where they were: the checkpoint.dir of the run directory's config.toml (the last start's),
+    and RUN_DIR/checkpoints. A job moved to a bucket, or a typo in checkpoint.dir, would
+    otherwise start over and drop the run's metrics history. --checkpoint.load_from says a new
+    start from a checkpoint is meant.
+    """
+    if cfg.checkpoint.load_from:
+        return
+    run = RunDir(cfg.run_dir)
+    before = ""
+    with contextlib.suppress(OSError, tomllib.TOMLDecodeError, AttributeError, UnicodeDecodeError):
+        with open(run.config, "rb") as f:
+            before = tomllib.load(f).get("checkpoint", {}).get("dir", "")
+    for old in dict.fromkeys([CheckpointConfig(dir=before).root(cfg.run_dir), run.checkpoints]):
+        if old == root:
+            continue
+        try:
+            found = complete_checkpoints(old)
+        except Exception:  # a store this start cannot reach: nothing known to be lost there
+            continue
+        if found:
+            raise CheckpointError(
+                f"checkpoint.dir {root} holds no checkpoint, but run directory {cfg.run_dir} has its checkpoints in "
+                f"{old} (newest: step {found[-1][0]}); starting over here would drop its history: copy them to "
+                f"{root}, or pass --checkpoint.load_from {found[-1][1]}, or start over in a new --run_dir")
 
 
 def changed(saved: dict, section: str, current: dict) -> list[str]:
