@@ -200,6 +200,7 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: prints the result as one JSON line on rank 0; bad input exits with status 2."""
+    distributed.die_with_agent()
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run_dir", required=True, help="training run directory")
     p.add_argument("--checkpoint", default="",

@@ -412,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             meta = prepare(cfg.data, out_dir)
         else:  # no collective but the gathers of prepare(), whose tokenization may take hours
             share_cores_between_local_ranks()
+            distributed.die_with_agent()
             dist.init_process_group("gloo", timeout=distributed.LONG_TIMEOUT)
             try:
                 meta = prepare(cfg.data, out_dir, dist.get_rank(), dist.get_world_size(), distributed.gatherer())

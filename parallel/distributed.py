@@ -7,10 +7,12 @@ gloo for CPU ones; CPU runs get gloo.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import signal
 import socket
+import sys
 import time
 
 import torch
@@ -76,6 +78,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def die_with_agent() -> None:
+    """Under torchrun on Linux: this worker is SIGKILLed as soon as its agent dies (prctl PR_SET_PDEATHSIG).
+
+    torchrun starts its workers in sessions of their own, so a SIGKILL of the agent's process
+    group (a lost agent, a scheduler that kills only the launcher) would leave them training
+    and writing checkpoints, and the run directory's lock would refuse the next run. A SIGKILL
+    leaves no checkpoint that looks complete: a local one is renamed into place whole, a URL
+    one is committed by a marker written last. Call it first thing in a worker; a no-op
+    elsewhere. Exits at once when the agent is already gone.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent or parent == 1:  # the agent died before the request took effect
+        os._exit(1)
+
+
+PR_SET_PDEATHSIG = 1
+"""linux/prctl.h: the signal a process gets when its parent dies."""
 
 
 def init_distributed(device: str) -> tuple[int, int, torch.device]:

@@ -116,3 +116,27 @@ def test_a_hung_rank_stops_its_peers_within_the_timeout_and_its_checkpoint_resum
     assert named == complete_checkpoints(str(rd / "checkpoints"))[-1][1]
     debug_run(2, rd, *REFERENCE_ARGS)
     assert_same_run(rd, reference)
+
+
+@pytest.mark.slow
+def test_workers_whose_agent_is_sigkilled_stop_within_seconds_and_the_checkpoint_stays_whole(tmp_path, reference):
+    """A SIGKILL of the torchrun agent alone (a lost agent, a scheduler killing only the launcher): its workers, in
+    sessions of their own, must not train on; the newest committed checkpoint resumes to the uninterrupted run."""
+    rd, proc = start_reference_run(tmp_path, "train_fsdp.py", max_restarts=0)
+    wait_for_step(rd, 3, proc)
+    ranks = workers(proc.pid)
+    assert len(ranks) == 2
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = time.monotonic()
+    while any(alive(pid) for pid in ranks.values()) and time.monotonic() - killed < 30:
+        time.sleep(0.05)
+    gone = time.monotonic() - killed
+    for pid in ranks.values():  # do not leave them to the next test
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    print(f"workers gone {gone:.2f} s after their agent was SIGKILLed")
+    assert gone <= 10, f"the workers outlived their agent by {gone:.1f} s"
+    assert complete_checkpoints(str(rd / "checkpoints"))
+    debug_run(2, rd, *REFERENCE_ARGS)
+    assert_same_run(rd, reference)

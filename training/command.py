@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
     check_layout(cfg, world_size): its layout checks, run before anything is created.
     description: the --help text's head.
     """
+    distributed.die_with_agent()  # no orphan worker outlives its torchrun agent
     try:
         cfg = parse_config(argv, description, require_file=True)
         check_run(cfg, distributed.world_size(), tp_plan, check_layout)
