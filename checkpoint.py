@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from core.errors import ConfigError, UserError, one_line
 from optimization.optimizers import reapply_schedule
-from parallel import float8
+from parallel import distributed, float8
 from storage import fs
 from storage.rundir import CONFIG_FILE, RunDir
 
@@ -333,6 +333,8 @@ class Checkpointer:
         self.wait()
         self._last_step = step
         final = step_dir(self.root, step)
+        if self.remote:  # written in place: a committed step would keep its marker while mixed
+            distributed.on_rank0(lambda: self._refuse_rewrite(final), self.rank)
         target = final if self.remote else final + ".tmp"  # an object store has no rename: write in place
         writer = fs.dcp_writer(target, after_finish=lambda: self._write_marker(final))
         if not self.remote:
@@ -347,6 +349,11 @@ class Checkpointer:
                 self._commit(target, final)
         except (CheckpointException, OSError) as e:
             raise self._failed(step, e) from None
+
+    def _refuse_rewrite(self, final: str) -> None:
+        if is_complete(final):
+            raise CheckpointError(f"checkpoint '{final}' is committed already and is never rewritten; does another "
+                                  f"run write to {self.root}? The run stops here")
 
     def poll(self) -> None:
         """Commit a finished asynchronous save without waiting for an unfinished one."""

@@ -2,6 +2,7 @@
 bad locations refused in one line before anything starts; a run killed during an upload, resumed at
 another world size from the bucket, with a store outage in the middle, equals the uninterrupted local run;
 two torchrun agents as two nodes share nothing but the bucket."""
+import json
 import os
 import sys
 import threading
@@ -17,9 +18,20 @@ import hf
 import prepare
 import train_fsdp
 from config import parse_config
+from core.errors import UserError
 from data import DataError
 from data_pipeline import datacache
-from launch import DEBUG, REFERENCE_ARGS, losses, metrics, prepared_data_dir, spawn, torchrun_command, wait_for_step
+from launch import (
+    DEBUG,
+    REFERENCE_ARGS,
+    debug_run,
+    losses,
+    metrics,
+    prepared_data_dir,
+    spawn,
+    torchrun_command,
+    wait_for_step,
+)
 from model import PRESETS, ModelArgs, Transformer
 from parallel import distributed
 from s3server import Relay, start_server
@@ -222,3 +234,38 @@ def test_a_corrupted_object_is_uploaded_again_by_publish_and_training_data_fetch
     folder, _ = datacache.fetch(cfg, str(tmp_path / "cache2"))
     with open(os.path.join(folder, rel), "rb") as f:
         assert f.read() == good
+
+
+def _objects(url) -> dict[str, bytes]:
+    store, inner = fs.filesystem(url)
+    return {p: store.cat_file(p) for p in store.find(inner)}
+
+
+def test_a_second_run_on_one_checkpoint_dir_is_refused_and_the_first_keeps_every_byte(s3, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Run A owns s3://.../owned (owner.json); run B, another run directory on the same location, is refused in one
+    line naming A, before it removes or writes anything: A's checkpoints, and an unfinished step of A in progress,
+    stay byte for byte."""
+    url, a, b = f"s3://{BUCKET}/owned", tmp_path / "a", tmp_path / "b"
+    prepared_data_dir(a)
+    debug_run(1, a, "--train.steps", "4", "--checkpoint.interval", "2", "--checkpoint.dir", url)
+    fs.write_bytes(f"{url}/step_00000006/__0_0.distcp", b"a save of run A in progress")
+    before = _objects(url)
+    assert json.loads(fs.read_bytes(f"{url}/owner.json")) == {"run_dir": str(a)}
+    prepared_data_dir(b)
+    line = _refused(monkeypatch, capsys, "--run_dir", str(b), "--checkpoint.dir", url, "--train.steps", "6")
+    assert f"checkpoint.dir {url} belongs to the run in {a} ({url}/owner.json)" in line and "--checkpoint.load_from" \
+        in line, line
+    assert _objects(url) == before
+    assert not os.path.exists(b / "metrics.jsonl")
+
+
+def test_a_committed_step_on_the_store_is_never_rewritten(s3, single_rank_group):
+    url = f"s3://{BUCKET}/rewrite"
+    fs.write_bytes(f"{url}/step_00000004/.metadata", b"metadata")
+    fs.write_bytes(f"{url}/step_00000004/.committed", b"")
+    before = _objects(url)
+    ckpt = ckpt_lib.Checkpointer(ckpt_lib.CheckpointConfig(dir=url), url, 0)
+    with pytest.raises(UserError, match="step_00000004' is committed already and is never rewritten"):
+        ckpt.save(4, None)
+    assert _objects(url) == before

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import os
 
 import tomllib
 import torch
@@ -28,6 +30,7 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     Removes what a crash left first (Checkpointer.clean_partial). Raises CheckpointError when the
     checkpoint does not fit this model, data cursor, seed or optimizer.
     """
+    claim(cfg, ckpt.root)  # before clean_partial: another run's unfinished step is not ours to remove
     ckpt.clean_partial()
     path = ckpt.resume_path()
     if path is None:
@@ -49,6 +52,42 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     notes += changed(saved, "optim", dataclasses.asdict(cfg.optim))
     notes.append(mixture_note(saved.get("data", {}), cfg.data))
     return path, "; ".join(n for n in notes if n)
+
+
+OWNER_FILE = "owner.json"
+"""At the root of an explicit checkpoint.dir: {"run_dir": the absolute run directory that owns it}."""
+
+
+def claim(cfg: Config, root: str) -> None:
+    """Make this run the owner of checkpoint.dir, or raise CheckpointError naming the run that owns it.
+
+    Two runs on one location would resume from each other's steps and overwrite them. The
+    owner is the run directory (as an absolute path, the same on every node of a job) in
+    ROOT/owner.json, written at the first start; a location from before owner records is owned
+    by the run directory its newest checkpoint's config.toml names. RUN_DIR/checkpoints
+    belongs to its run directory anyway (and its lock guards it): nothing is written there.
+    """
+    if not cfg.checkpoint.dir:
+        return
+    me, record = os.path.abspath(cfg.run_dir), fs.join(root, OWNER_FILE)
+    try:
+        owner = json.loads(fs.read_bytes(record)).get("run_dir", "")
+    except FileNotFoundError:
+        found = complete_checkpoints(root)
+        owner = saved_config(found[-1][1]).get("run_dir", "") if found else ""
+        owner = os.path.abspath(owner) if owner and not fs.is_url(owner) else owner
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint.dir {root}: {record} is not an owner record ({e}); delete it if no "
+                              f"other run writes there") from None
+    if owner and owner != me:
+        raise CheckpointError(
+            f"checkpoint.dir {root} belongs to the run in {owner} ({record}): two runs on one location would overwrite "
+            f"each other's checkpoints; give this run its own --checkpoint.dir (start from one of those with "
+            f"--checkpoint.load_from), or, if this is that run moved to {me}, delete {record}")
+    if not owner or not fs.exists(record):
+        if not fs.is_url(root):
+            os.makedirs(root, exist_ok=True)
+        fs.write_bytes(record, json.dumps({"run_dir": me}).encode())
 
 
 def check_not_moved(cfg: Config, root: str) -> None:
