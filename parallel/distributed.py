@@ -174,13 +174,17 @@ def peer_failure(e: BaseException) -> str:
 
 
 def finish_distributed() -> None:
-    """Leave the process group together: a barrier, then destroy.
+    """Leave the process groups together: a barrier on every group this rank is in, then destroy.
 
-    Without the barrier, a rank that finishes its last gloo collective first can close its
+    Without the barriers, a rank that finishes its last gloo collective first can close its
     connections while a peer's gloo thread still uses them, and the peer aborts on exit
-    ("terminate called without an active exception") after its work is done.
+    ("terminate called without an active exception") after its work is done. The world's
+    barrier alone does not order the other groups' work (the mesh's dp, cp and tp groups run
+    their own gloo pairs, and context parallelism's functional all-to-alls complete lazily),
+    so each group gets its own, in creation order, which is the same on every rank.
     """
-    dist.barrier()
+    for group in list(c10d._world.pg_map):
+        dist.barrier(group=group)
     dist.destroy_process_group()
 
 
