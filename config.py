@@ -50,6 +50,10 @@ class BatchStage:
     """Sequences per optimizer step from then on; larger than the batch before it."""
 
 
+MAX_SKIP = 1_000_000
+"""Batches one [[train.skip]] table may skip (about 30 s for the loader to move a mixture past, at start-up)."""
+
+
 @dataclasses.dataclass
 class SkipRange:
     """One [[train.skip]] table: batches of the data that no step trains on (PaLM's remedy for a loss spike)."""
@@ -148,11 +152,14 @@ class TrainConfig:
 
     def _check_rollback(self) -> None:
         last = 0
-        for r in sorted(self.skip, key=lambda r: r.start_step):
-            where = f"train.skip[{self.skip.index(r)}]"
+        for i, r in sorted(enumerate(self.skip), key=lambda ir: ir[1].start_step):
+            where = f"train.skip[{i}]"
             if r.start_step < 1 or r.end_step < r.start_step:
                 raise ConfigError(f"{where}: start_step ({r.start_step}) must be >= 1 and end_step ({r.end_step}) "
                                   f">= start_step: the range names the first and the last batch skipped")
+            if r.end_step - r.start_step >= MAX_SKIP:
+                raise ConfigError(f"{where}: {r.end_step - r.start_step + 1:,} batches skipped; at most {MAX_SKIP:,} "
+                                  f"a table (a mixture moves past them batch by batch); check end_step")
             if r.start_step <= last:
                 raise ConfigError(f"{where} ({r.start_step}-{r.end_step}) overlaps another [[train.skip]] range "
                                   f"that ends at {last}; merge them into one table")

@@ -128,11 +128,30 @@ class GlobalBatchLoader:
                 step = b + 1
         return step
 
+    def drawn(self, n: int) -> list[int]:
+        """The data steps (1-based) of the last n batches drawn, oldest first (fewer if fewer were drawn)."""
+        skipped, out, step = self.skipped(), [], self.state.steps
+        while step >= 1 and len(out) < n:
+            if not any(a <= step <= b for a, b in skipped):
+                out.append(step)
+            step -= 1
+        return out[::-1]
+
     def _skip_ahead(self) -> None:
-        """Move the cursor past the skipped batches in front of it, each as if drawn."""
+        """Move the cursor past the skipped batches in front of it, each as if drawn (one source: in one jump per
+        batch stage; a mixture draws each batch's split, so batch by batch)."""
         self._upgrade()
-        st = self.state
-        while st.steps + 1 < self.next_data_step():
+        st, target = self.state, self.next_data_step() - 1  # the data steps before the next drawn are skipped
+        if len(self.corpus.sources) == 1:
+            while st.steps < target:
+                later = [start for start, _ in self.schedule if start > st.steps]
+                n = min([target, *later]) - st.steps  # batches of this stage's size
+                name = self.corpus.names[0]
+                st.source_samples[name] = st.source_samples.get(name, 0) + n * self.global_batch_size
+                st.consumed_samples += n * self.global_batch_size
+                st.steps += n
+            return
+        while st.steps < target:
             for name, count in zip(self.corpus.names, self.counts()):
                 st.source_samples[name] = st.source_samples.get(name, 0) + count
             st.consumed_samples += self.global_batch_size

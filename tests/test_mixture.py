@@ -220,6 +220,22 @@ def test_one_source_draws_the_batches_of_the_loader_before_mixtures(tmp_path, to
     assert [i for _, i in old.rank_indices()] == stream[48 + 8:48 + 16]
 
 
+def test_one_source_jumps_past_skipped_batches_to_the_batches_drawn_one_by_one(tmp_path, tok_path):
+    """The one-source loader moves past a skip in one jump per batch stage: the stream is the uninterrupted one's with
+    the skipped batches taken out, across a batch stage inside the skip."""
+    cfg = DataConfig(dataset=_jsonl(tmp_path / "a.jsonl", _texts("a", 60)), tokenizer=tok_path, seq_len=8)
+    prepare.prepare(cfg, str(tmp_path / "data"))
+    corpus = PackedCorpus(str(tmp_path / "data"), cfg)
+    stages = [(3, 8), (6, 16)]
+    ref_ld = GlobalBatchLoader(corpus, 4, 0, 0, 1, seed=0, batch_stages=stages)
+    ref = [_step_windows(ref_ld) for _ in range(12)]
+    skips = [(2, 7), (10, 10)]
+    kept = [ref[k - 1] for k in range(1, 13) if not any(a <= k <= b for a, b in skips)]
+    ld = GlobalBatchLoader(corpus, 4, 0, 0, 1, seed=0, batch_stages=stages, skips=skips)
+    assert all(torch.equal(_step_windows(ld), want) for want in kept)
+    assert ld.state.consumed_samples == ref_ld.state.consumed_samples and ld.state.steps == 12
+
+
 def test_per_source_preparation_reuses_what_is_prepared(tmp_path, tok_path, capsys):
     cfg = _mixture_cfg(tmp_path, tok_path)
     out = str(tmp_path / "data")

@@ -132,6 +132,7 @@ def test_nan_on_one_rank_rolls_back_every_rank_and_a_spent_budget_stops_with_one
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "step 10: non-finite gradient norm" in errors[0], errors
     assert "rollback budget is spent (train.rollback 1; 1 made, skipping data steps 9-10)" in errors[0]
+    assert "add [[train.skip]] start_step = 12, end_step = 12 (the batches of steps 10-10)" in errors[0]
     assert "step_00000008 (step 8)" in errors[0]
     assert list(at_rollback) == [4, 8] and {c: _tree_hash(p) for c, p in complete_checkpoints(root)} == at_rollback
 
@@ -144,3 +145,15 @@ def _tree_hash(path) -> str:
             with open(os.path.join(d, f), "rb") as fh:
                 h.update(fh.read())
     return h.hexdigest()
+
+
+def test_a_divergence_before_the_first_checkpoint_stops_with_the_table_that_skips_it(tmp_path):
+    rd = tmp_path / "early"
+    proc = _run(1, rd, env={"DIVERGE": "2-3::nan"}, check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 2: non-finite gradient norm"), errors
+    assert "no checkpoint in" in errors[0] and "add [[train.skip]] start_step = 2, end_step = 2" in errors[0]
+    config = tmp_path / "fixed.toml"
+    config.write_text(open(DEBUG).read() + "\n[[train.skip]]\nstart_step = 2\nend_step = 3\n")
+    _run(1, rd, "--config", str(config), env={"DIVERGE": "2-3::nan"})  # the fix it names, then the same command
+    assert max(losses(rd)) == STEPS and not any("non-finite" in r["trigger"] for r in _rollbacks(rd))

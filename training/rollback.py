@@ -72,15 +72,18 @@ class Rollback:
 
     def _stop_line(self, d: Divergence, target: tuple[int, str] | None, made: int) -> str:
         s, t = self.s, self.s.cfg.train
-        skipped = ", ".join(f"{a}-{b}" for a, b in s.loader.state.skips) or "none"
+        bad = s.loader.drawn(d.step - d.first + 1)
+        fix = (f"add [[train.skip]] start_step = {bad[0]}, end_step = {bad[-1]} (the batches of steps "
+               f"{d.first}-{d.step}) and run the same command")
         if target is None:
             where = (f"no checkpoint in {s.ckpt.root} is from step {d.first - t.rollback_margin} or before (the "
-                     f"first outlier, step {d.first}, minus train.rollback_margin) to roll back to")
+                     f"first outlier, step {d.first}, minus train.rollback_margin) to roll back to; {fix}")
         else:
+            skipped = ", ".join(f"{a}-{b}" for a, b in s.loader.state.skips) or "none"
             where = (f"the rollback budget is spent (train.rollback {t.rollback}; {made} made, skipping data steps "
-                     f"{skipped}); the newest good checkpoint is {target[1]} (step {target[0]})")
-        return (f"step {d.step}: {d.trigger}; {where}; stopped before the update, every checkpoint kept; raise "
-                f"train.rollback or add [[train.skip]] tables, then run the same command")
+                     f"{skipped}); the newest good checkpoint is {target[1]} (step {target[0]}); {fix}, or raise "
+                     f"train.rollback")
+        return f"step {d.step}: {d.trigger}; stopped before the update, every checkpoint kept; {where}"
 
 
 def _newest_at_most(root: str, step: int) -> tuple[int, str] | None:

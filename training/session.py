@@ -113,4 +113,19 @@ def start_line(s: Session, fpt: float) -> str:
             f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
             f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
             f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
-            + (f" | {s.resume_note}" if s.resume_note else ""))
+            + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))
+
+
+def guard_description(s: Session) -> str:
+    """' | ...' on the rollback guard and the batches skipped (for the start-up line), or ''."""
+    t, parts = s.cfg.train, []
+    if t.rollback:
+        rule = (f"{t.rollback_after} outliers in a row (spike_skip {t.spike_skip:g} sigma over spike_window "
+                f"{t.spike_window} steps, from step {t.spike_window + 1})" if t.spike_skip else "only")
+        parts.append(f"rollback: {t.rollback - s.train_state.rollbacks} of {t.rollback} left, on a non-finite step or "
+                     f"{rule}" if t.spike_skip else f"rollback: {t.rollback - s.train_state.rollbacks} of "
+                     f"{t.rollback} left, on a non-finite step only (train.spike_skip 0)")
+    skipped = s.loader.skipped()
+    if skipped:
+        parts.append("data steps skipped: " + ", ".join(f"{a}-{b}" for a, b in skipped))
+    return "".join(f" | {p}" for p in parts)
