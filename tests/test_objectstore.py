@@ -145,7 +145,7 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
 
 def _store_steps(url: str) -> dict[str, bool]:
     """{step directory name: committed} under url."""
-    return {n: ckpt_lib.is_complete(fs.join(url, n)) for n in fs.listdir(url)}
+    return {n: ckpt_lib.is_complete(fs.join(url, n)) for n in fs.listdir(url) if n.startswith("step_")}
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import os
+from typing import Callable
 
 import tomllib
 import torch
@@ -30,11 +31,12 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     Removes what a crash left first (Checkpointer.clean_partial). Raises CheckpointError when the
     checkpoint does not fit this model, data cursor, seed or optimizer.
     """
-    claim(cfg, ckpt.root)  # before clean_partial: another run's unfinished step is not ours to remove
+    claim = check_owner(cfg, ckpt.root)  # before clean_partial: another run's unfinished step is not ours to remove
     ckpt.clean_partial()
     path = ckpt.resume_path()
     if path is None:
         check_not_moved(cfg, ckpt.root)
+        claim()
         return None, ""
     # Fields first: they name what differs, where shapes could only list tensors.
     check_same_config(path, "model", dataclasses.asdict(cfg.model))
@@ -51,6 +53,7 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
         [f"train.global_batch_size {batch} -> {cfg.train.global_batch_size} (the data position is kept, in samples)"]
     notes += changed(saved, "optim", dataclasses.asdict(cfg.optim))
     notes.append(mixture_note(saved.get("data", {}), cfg.data))
+    claim()
     return path, "; ".join(n for n in notes if n)
 
 
@@ -58,8 +61,9 @@ OWNER_FILE = "owner.json"
 """At the root of an explicit checkpoint.dir: {"run_dir": the absolute run directory that owns it}."""
 
 
-def claim(cfg: Config, root: str) -> None:
-    """Make this run the owner of checkpoint.dir, or raise CheckpointError naming the run that owns it.
+def check_owner(cfg: Config, root: str) -> Callable[[], None]:
+    """Check that checkpoint.dir is free or this run's (CheckpointError naming its owner otherwise); returns the claim,
+    which writes the owner record once every other check of the start has passed.
 
     Two runs on one location would resume from each other's steps and overwrite them. The
     owner is the run directory (as an absolute path, the same on every node of a job) in
@@ -68,14 +72,15 @@ def claim(cfg: Config, root: str) -> None:
     belongs to its run directory anyway (and its lock guards it): nothing is written there.
     """
     if not cfg.checkpoint.dir:
-        return
+        return lambda: None
     me, record = os.path.abspath(cfg.run_dir), fs.join(root, OWNER_FILE)
     try:
         owner = json.loads(fs.read_bytes(record)).get("run_dir", "")
+        written = True
     except FileNotFoundError:
         found = complete_checkpoints(root)
         owner = saved_config(found[-1][1]).get("run_dir", "") if found else ""
-        owner = os.path.abspath(owner) if owner and not fs.is_url(owner) else owner
+        owner, written = (os.path.abspath(owner) if owner and not fs.is_url(owner) else owner), False
     except (OSError, ValueError, AttributeError) as e:
         raise CheckpointError(f"checkpoint.dir {root}: {record} is not an owner record ({e}); delete it if no "
                               f"other run writes there") from None
@@ -84,10 +89,14 @@ def claim(cfg: Config, root: str) -> None:
             f"checkpoint.dir {root} belongs to the run in {owner} ({record}): two runs on one location would overwrite "
             f"each other's checkpoints; give this run its own --checkpoint.dir (start from one of those with "
             f"--checkpoint.load_from), or, if this is that run moved to {me}, delete {record}")
-    if not owner or not fs.exists(record):
-        if not fs.is_url(root):
-            os.makedirs(root, exist_ok=True)
-        fs.write_bytes(record, json.dumps({"run_dir": me}).encode())
+
+    def claim() -> None:
+        if not written:
+            if not fs.is_url(root):
+                os.makedirs(root, exist_ok=True)
+            fs.write_bytes(record, json.dumps({"run_dir": me}).encode())
+
+    return claim
 
 
 def check_not_moved(cfg: Config, root: str) -> None:

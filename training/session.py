@@ -120,11 +120,10 @@ def guard_description(s: Session) -> str:
     """' | ...' on the rollback guard and the batches skipped (for the start-up line), or ''."""
     t, parts = s.cfg.train, []
     if t.rollback:
-        rule = (f"{t.rollback_after} outliers in a row (spike_skip {t.spike_skip:g} sigma over spike_window "
-                f"{t.spike_window} steps, from step {t.spike_window + 1})" if t.spike_skip else "only")
-        parts.append(f"rollback: {t.rollback - s.train_state.rollbacks} of {t.rollback} left, on a non-finite step or "
-                     f"{rule}" if t.spike_skip else f"rollback: {t.rollback - s.train_state.rollbacks} of "
-                     f"{t.rollback} left, on a non-finite step only (train.spike_skip 0)")
+        trigger = (f"a non-finite step or {t.rollback_after} outliers in a row (spike_skip {t.spike_skip:g} sigma "
+                   f"over spike_window {t.spike_window} steps, from step {t.spike_window + 1})" if t.spike_skip
+                   else "a non-finite step only (train.spike_skip 0)")
+        parts.append(f"rollback: {t.rollback - s.train_state.rollbacks} of {t.rollback} left, on {trigger}")
     skipped = s.loader.skipped()
     if skipped:
         parts.append("data steps skipped: " + ", ".join(f"{a}-{b}" for a, b in skipped))
