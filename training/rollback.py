@@ -62,7 +62,7 @@ class Rollback:
         skip = [s.loader.next_data_step(), diverged_batch]
         s.loader.state.skips = merge_ranges([*map(tuple, skips), tuple(skip)])
         s.train_state.rollbacks = made + 1
-        self.log.rewind(to_step)
+        distributed.on_rank0(lambda: self.log.rewind(to_step), s.rank)  # a W&B that fails here stops every rank
         self.log.note({"step": d.step, "rollback": {"to_step": to_step, "skip": skip, "trigger": d.trigger}})
         self.progress.rewind(to_step)
         lr = f"; LR x{t.rollback_lr_factor ** (made + 1):g} from here" if t.rollback_lr_factor != 1 else ""
