@@ -2,6 +2,8 @@
 
     DIVERGE=A-B[,C-D ...][:RANK[:SCALE]] torchrun ... tests/diverge_worker.py <train_fsdp.py's arguments>
 
+(DIVERGE_ENTRY=train_2d runs train_2d.py's main instead, for a dp x tp layout.)
+
 Multiplies the training loss of the batches of data steps A..B, C..D (1-based, numbered as
 [[train.skip]] numbers them) by SCALE (default 1e4; 'nan' makes it NaN) on rank RANK (default:
 every rank), so a run diverges there deterministically on CPU. A skipped batch is never drawn,
@@ -15,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import train_2d  # noqa: E402
 import train_fsdp  # noqa: E402
 from data_pipeline.loader import GlobalBatchLoader  # noqa: E402
 from training import step as step_module  # noqa: E402
@@ -44,4 +47,4 @@ def inject(spec: str) -> None:
 
 if __name__ == "__main__":
     inject(os.environ["DIVERGE"])
-    sys.exit(train_fsdp.main())
+    sys.exit((train_2d if os.environ.get("DIVERGE_ENTRY") == "train_2d" else train_fsdp).main())
