@@ -80,6 +80,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1
+"""linux/prctl.h: the signal a process gets when its parent dies."""
+
+
 def die_with_agent() -> None:
     """Under torchrun on Linux: this worker is SIGKILLed as soon as its agent dies (prctl PR_SET_PDEATHSIG).
 
@@ -97,10 +101,6 @@ def die_with_agent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent or parent == 1:  # the agent died before the request took effect
         os._exit(1)
-
-
-PR_SET_PDEATHSIG = 1
-"""linux/prctl.h: the signal a process gets when its parent dies."""
 
 
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
