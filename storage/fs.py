@@ -7,9 +7,10 @@ A location is exactly a local path or an ``s3://`` URL: check_location refuses a
 that looks like a URL (another scheme, ``file://``, or ``s3:/`` with one slash, which would
 otherwise be a local folder named ``s3:``). The URL goes through fsspec's s3fs, and DCP writes
 and reads it with its own FsspecWriter/FsspecReader: this module holds no S3 client of its
-own. The endpoint and credentials are never configured here: botocore reads them itself from the standard variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``, or ``~/.aws``), so one command runs against
-AWS, MinIO, R2 or a local test server alike.
+own. The endpoint and credentials are never configured here: botocore reads them itself from
+the standard variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_DEFAULT_REGION``, or ``~/.aws``), so one command runs against AWS, MinIO, R2 or a local
+test server alike.
 
 An object store has no directories and no atomic rename: callers that need "complete or
 absent" (checkpoint.py) commit with a marker object written last, not with a rename.
