@@ -33,12 +33,13 @@ import torch.distributed as dist
 from config import check_run_dir, parse_config
 from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
-from data_pipeline.datacache import publish, sha256_file
+from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
 from data_pipeline.sources import check_source, iter_documents, source_units, txt_notice
 from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
 from observability.progress import duration
 from parallel import distributed
+from storage import fs
 from storage.fs import check_location
 from storage.rundir import RunDir
 
@@ -355,7 +356,7 @@ def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool
     shutil.rmtree(os.path.join(work, PARTS), ignore_errors=True)
     if changed:
         record = {k: v for k, v in meta.items() if k != "legacy"}
-        record["tokenizer_sha256"] = sha256_file(os.path.join(work, "tokenizer.json"))
+        record["tokenizer_sha256"] = fs.sha256(os.path.join(work, "tokenizer.json"))
         with open(os.path.join(work, "meta.json.tmp"), "w") as f:
             json.dump(record, f, indent=1)
         os.replace(os.path.join(work, "meta.json.tmp"), os.path.join(work, "meta.json"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 
@@ -32,15 +31,6 @@ STAMPS = ".verified.json"
 def cache_dir(cfg: DataConfig, run_dir: str) -> str:
     """The node-local folder of a remote data.prepared: data.cache_dir, else RUN_DIR/data_cache."""
     return cfg.cache_dir or RunDir(run_dir).data_cache
-
-
-def sha256_file(path: str) -> str:
-    """Hex SHA-256 of a local file, read in 16 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def remote_meta(cfg: DataConfig) -> dict:
@@ -95,7 +85,7 @@ def _fetch(cfg: DataConfig, folder: str, rel: str, size: int | None, sha: str | 
             return False
         if stamps.get(rel) == [st.st_size, st.st_mtime_ns, sha]:
             return True
-        ok = sha is None or sha256_file(path) == sha
+        ok = sha is None or fs.sha256(path) == sha
         if ok:
             stamps[rel] = [st.st_size, st.st_mtime_ns, sha]
         return ok
@@ -176,7 +166,7 @@ def publish(out_dir: str, url: str) -> None:
         local, remote = os.path.join(out_dir, rel), fs.join(url, rel)
         try:
             if rel != "meta.json" and fs.isfile(remote) and fs.size(remote) == os.path.getsize(local) \
-                    and fs.sha256(remote) == sha256_file(local):
+                    and fs.sha256(remote) == fs.sha256(local):
                 continue
             fs.upload(local, remote)
         except OSError as e:

@@ -38,13 +38,13 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
         check_not_moved(cfg, ckpt.root)
         claim()
         return None, ""
+    saved = saved_config(path)  # read once: on a store every read is a request
     # Fields first: they name what differs, where shapes could only list tensors.
-    check_same_config(path, "model", dataclasses.asdict(cfg.model))
+    check_same_config(path, saved, "model", dataclasses.asdict(cfg.model))
     # The data cursor counts windows of seq_len among the train windows: another length or
     # split would point it elsewhere in the corpus.
-    check_same_config(path, "data", {"seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction})
-    check_same_config(path, "train", {"seed": cfg.train.seed})  # it seeds the data order too
-    saved = saved_config(path)
+    check_same_config(path, saved, "data", {"seq_len": cfg.data.seq_len, "val_fraction": cfg.data.val_fraction})
+    check_same_config(path, saved, "train", {"seed": cfg.train.seed})  # it seeds the data order too
     check_same_optimizer(path, saved.get("optim", {}).get("name", cfg.optim.name), cfg.optim.name)
     with torch.device("meta"):
         check_compatible(path, {k: v.shape for k, v in Transformer(cfg.model).state_dict().items()})
@@ -159,16 +159,16 @@ def saved_config(path: str) -> dict:
         raise CheckpointError(f"checkpoint '{path}': cannot read '{saved_file}': {e}") from e
 
 
-def check_same_config(path: str, section: str, current: dict) -> None:
-    """Compare a checkpoint's saved [section] (its config.toml) with the current values.
+def check_same_config(path: str, saved: dict, section: str, current: dict) -> None:
+    """Compare a checkpoint's saved [section] (saved: its config.toml, from saved_config) with the current values.
 
     Catches what shapes cannot (e.g. model.rope_theta, or n_heads vs head_dim at equal
     widths) and names the fields. Checkpoints without a config.toml, and fields they lack,
     are not checked. Raises CheckpointError naming each differing field with both values.
     """
-    saved = saved_config(path).get(section, {})
-    diffs = [f"{section}.{k}: checkpoint {saved[k]!r}, now {v!r}" for k, v in current.items()
-             if k in saved and saved[k] != v]
+    old = saved.get(section, {})
+    diffs = [f"{section}.{k}: checkpoint {old[k]!r}, now {v!r}" for k, v in current.items()
+             if k in old and old[k] != v]
     if diffs:
         raise CheckpointError(
             f"checkpoint '{path}' was saved with other settings ({'; '.join(diffs)}); "

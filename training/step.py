@@ -183,11 +183,12 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
                                           t.nonfinite == "skip" or t.rollback > 0, veto)
     except NonFiniteError as e:
         raise NonFiniteError(f"{e} (loss {loss_sum.item() / n_targets * ranks:.4g} on rank {s.rank})") from None
-    if not result.skipped and not torch.isfinite(result.grad_norm).item():
+    finite = bool(torch.isfinite(result.grad_norm).item())
+    if not result.skipped and not finite:
         result.skipped = "non-finite gradient norm"
         s.train_state.outliers += 1
     if t.rollback:
-        _check_divergence(s.train_state, result, t.rollback_after)
+        _check_divergence(s.train_state, result, t.rollback_after, finite)
     if cfg.train.float8 == "tensorwise":  # the next step's float8 all-gathers use these weights' scales
         float8.precompute_scales(s.model)
     s.scheduler.step()
@@ -218,11 +219,11 @@ def _spike_veto(state: TrainState, result: StepResult, sigmas: float, window: in
     return bool(result.skipped) or (rollback and state.outliers >= rollback_after)
 
 
-def _check_divergence(state: TrainState, result: StepResult, rollback_after: int) -> None:
-    """Raise Divergence for a non-finite step, or the rollback_after-th outlier in a row (train.rollback)."""
+def _check_divergence(state: TrainState, result: StepResult, rollback_after: int, finite: bool) -> None:
+    """Raise Divergence for a non-finite step (finite: whether the gradient norm is), or the rollback_after-th
+    outlier in a row (train.rollback)."""
     step = state.step + 1
-    if not torch.isfinite(result.grad_norm).item() or (result.mean_loss is not None
-                                                        and not math.isfinite(result.mean_loss)):
+    if not finite or (result.mean_loss is not None and not math.isfinite(result.mean_loss)):
         raise Divergence(step, step - state.outliers + 1, f"non-finite gradient norm ({result.grad_norm.item()})")
     if state.outliers >= rollback_after:
         raise Divergence(step, step - state.outliers + 1,
