@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from nn import parametrization
+
 
 @dataclasses.dataclass
 class ModelArgs:
@@ -58,6 +60,12 @@ class ModelArgs:
     """Attend only within the current document of a packed window and restart RoPE positions at each [EOT] (Llama 3's packing); off: plain causal attention over the whole window."""
     eot_id: int = 2
     """Token id of [EOT], the token that precedes every document (2 in tokenizers trained here); used by document_mask."""
+    parametrization: str = "sp"
+    """How init, per-parameter LRs and forward multipliers scale with width and depth: 'sp' (standard), 'mup' (hyperparameters transfer across width), 'completep' (across width and depth); nn/parametrization.py."""
+    base_dim: int = 0
+    """mup/completep: the proxy width the hyperparameters were tuned at (a divisor of dim); 0 under sp."""
+    base_n_layers: int = 0
+    """completep: the proxy depth the hyperparameters were tuned at (1..n_layers); 0 otherwise."""
 
     def __post_init__(self) -> None:
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
@@ -77,6 +85,7 @@ class ModelArgs:
                 raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
         if not 0 <= self.eot_id < self.vocab_size:
             raise ValueError(f"model.eot_id must be in 0..model.vocab_size-1 ({self.vocab_size - 1}), got {self.eot_id}")
+        parametrization.check(self)
 
     @property
     def head_dim(self) -> int:
@@ -260,6 +269,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
+        self.query_scale = parametrization.multipliers(args).query
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -278,6 +288,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq_len, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale  # scores q.k / head_dim under mup, whatever the kernel (Ulysses included)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, start)  # (bsz, start + seq, kv heads, head_dim)
@@ -307,12 +319,16 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        self.residual_scale = parametrization.multipliers(args).residual
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None,
                 cache: KVCache | None = None, start: int = 0) -> Tensor:
         # cache and start by keyword: the TP plan's PrepareModuleInput lays out the 4 positional inputs.
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache=cache, start=start)
-        return h + self.feed_forward(self.ffn_norm(h))
+        r = self.residual_scale  # completep's 1/m_L; 1 otherwise, and then no op
+        a = self.attention(self.attention_norm(x), cos, sin, mask, cache=cache, start=start)
+        h = x + (a if r == 1.0 else r * a)
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if r == 1.0 else r * f)
 
 
 class Transformer(nn.Module):
@@ -325,6 +341,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.logits_scale = parametrization.multipliers(args).logits
         # Not persistent: recomputed by init_weights, never checkpointed. fp32 here; a block
         # sharded with bf16 mixed precision receives them cast to bf16 (see apply_rope).
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
@@ -373,6 +390,8 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, cache[i], start)
         h = self.norm(h)
+        if self.logits_scale != 1.0:
+            h = h * self.logits_scale  # mup's 1/m_N on the logits, before any head (chunked or vocab-parallel)
         if head is not None:
             return head(self.output, h)
         # fp32 logits: the loss must never be taken on bf16 logits.
@@ -400,14 +419,11 @@ class Transformer(nn.Module):
     def init_std(self, name: str) -> float | None:
         """Initial std of a parameter by name; None for norm weights, which start at one.
 
-        Normal(0, 0.02) as in GPT-2 and HF Llama (initializer_range); the projections that
-        write into the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2, sec. 2.3).
+        Under sp, Normal(0, 0.02) as in GPT-2 and HF Llama (initializer_range); the projections
+        that write into the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2,
+        sec. 2.3). mup and completep: nn/parametrization.py's table.
         """
-        if name.endswith("norm.weight"):
-            return None
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            return 0.02 / math.sqrt(2 * self.args.n_layers)
-        return 0.02
+        return parametrization.init_std(self.args, name)
 
     @torch.no_grad()
     def init_weights(self, seed: int, copy_: Callable[[Tensor, Tensor], None] = Tensor.copy_) -> None:

@@ -34,10 +34,11 @@ from torch.optim._muon import (
 )
 from torch.optim.adamw import adamw
 
+from nn.parametrization import HIDDEN, is_hidden
+
 ADJUST_LR_FN = "match_rms_adamw"
 """torch.optim.Muon's name for Moonlight's 0.2 * sqrt(max(m, n)) LR rule."""
-MATRICES = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+MATRICES = HIDDEN
 """The blocks' hidden matrices (Llama names) that Muon updates; everything else keeps AdamW."""
 
 
@@ -80,8 +81,7 @@ def newton_schulz_for(device: torch.device):
 
 def is_muon_matrix(name: str) -> bool:
     """Whether the parameter of this (unwrapped or compiled) name is one of the blocks' hidden matrices."""
-    name = name.replace("_orig_mod.", "")
-    return name.startswith("layers.") and any(name.endswith(f"{m}.weight") for m in MATRICES)
+    return is_hidden(name)
 
 
 class MuonAdamW(torch.optim.Optimizer):

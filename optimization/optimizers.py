@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from core.errors import ConfigError
+from nn import parametrization
 from optimization.muon import MuonAdamW, is_muon_matrix
 
 
@@ -164,22 +165,32 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, 
 
     adamw: torch.optim.AdamW, decay on matrices (ndim >= 2) only. muon: muon.MuonAdamW with the
     blocks' hidden matrices in a Muon group (decay cfg.weight_decay, momentum cfg.muon_momentum)
-    and the rest in AdamW groups as above; one LambdaLR scales every group. fused: the fused
+    and the rest in AdamW groups as above; one LambdaLR scales every group. Under model.parametrization
+    mup/completep (model.args) each parameter's LR multiplier, decay and eps come from
+    nn/parametrization.py, one group per distinct setting (sp: the groups above, decay first). fused: the fused
     AdamW kernel (CUDA, and CPU since torch 2.4); pass False when the parameters live in CPU
     memory under CUDA offloading.
     """
     named = list(model.named_parameters())
-    muon = [p for n, p in named if cfg.name == "muon" and is_muon_matrix(n)]
-    taken = {id(p) for p in muon}
-    decay = [p for _, p in named if p.ndim >= 2 and id(p) not in taken]
-    no_decay = [p for _, p in named if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    args = getattr(model, "args", None)
+    # One group per role, in the order parameters first appear: (decayed, Muon, scaled with the width). The roles,
+    # not the values, make the groups, so a resume with another weight decay finds the groups it saved.
+    groups: dict[tuple, dict] = {}
+    for name, p in named:
+        muon = cfg.name == "muon" and is_muon_matrix(name)
+        s = parametrization.optimizer_settings(args, name, muon, cfg.weight_decay if p.ndim >= 2 else 0.0, cfg.eps) \
+            if args is not None else {"lr_mult": 1.0, "weight_decay": cfg.weight_decay if p.ndim >= 2 else 0.0,
+                                      "eps": cfg.eps}
+        key = (p.ndim >= 2, muon, s["lr_mult"] != 1.0)
+        if key not in groups:
+            groups[key] = {"params": [], "lr": cfg.lr * s["lr_mult"], "weight_decay": s["weight_decay"],
+                           "eps": s["eps"], **({"muon": True} if muon else {})}
+        groups[key]["params"].append(p)
     if cfg.name == "muon":
-        groups.append({"params": muon, "weight_decay": cfg.weight_decay, "muon": True})
-        optimizer = MuonAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        optimizer = MuonAdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                               momentum=cfg.muon_momentum, fused=fused)
     else:
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        optimizer = torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                       fused=fused or None)
     schedule = functools.partial(scheduled_factor, warmup_steps=cfg.warmup_steps, total_steps=total_steps,
                                  batch_schedule=list(batch_schedule), min_ratio=cfg.min_lr_ratio, schedule=cfg.schedule, decay_fraction=cfg.decay_fraction,

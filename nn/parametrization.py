@@ -1,0 +1,161 @@
+"""How the model and its optimizer scale with width and depth: sp (standard), mup, completep.
+
+Hyperparameters tuned on a proxy of width model.base_dim (and depth model.base_n_layers) carry
+over to model.dim (and model.n_layers) when every parameter's init, learning rate and forward
+multiplier follow these rules. With m_N = dim / base_dim and m_L = n_layers / base_n_layers:
+
+| parameter                          | sp               | mup                     | completep (alpha = 1)     |
+|------------------------------------|------------------|-------------------------|---------------------------|
+| tok_embeddings: init std, Adam LR  | 0.02, lr         | 0.02, lr                | 0.02, lr                  |
+| hidden wq wk wv w1 w3: init std    | 0.02             | 0.02 / sqrt(m_N)        | 0.02 / sqrt(m_N)          |
+| hidden wo w2: init std             | 0.02/sqrt(2 L)   | 0.02/sqrt(2 L m_N)      | 0.02 / sqrt(m_N)          |
+| hidden matrices: Adam LR, decay    | lr, wd           | lr / m_N, wd            | lr / m_N, wd * m_N        |
+| hidden matrices: Muon LR           | lr (Moonlight)   | lr / sqrt(m_N)          | lr / sqrt(m_N), wd*sqrt(m_N) |
+| output: init std, Adam LR          | 0.02, lr         | 0.02, lr                | 0.02, lr                  |
+| norm weights: Adam LR              | lr               | lr                      | lr                        |
+| logits multiplier                  | 1                | 1 / m_N                 | 1 / m_N                   |
+| attention scores                   | 1/sqrt(head_dim) | 1 / head_dim            | 1 / head_dim              |
+| residual branch multiplier         | 1                | 1                       | 1 / m_L                   |
+| Adam epsilon                       | eps              | eps                     | eps / (m_N m_L)           |
+
+Sources: mup is Tensor Programs V (Yang et al. 2022), Table 3's Adam column in the form of
+its Table 8 (the output multiplier 1/m_N with a width-independent readout init and LR, as
+microsoft/mup's MuReadout and MuAdam do), and the attention scale of its section 4; the init
+and LR multipliers are those of EleutherAI's nanoGPT-mup, which our sp table equals at
+m_N = 1. completep is Dey et al. 2025 ("Don't be lazy: CompleteP enables compute-efficient
+deep transformers"), Table 1 at alpha = 1: the residual multiplier m_L^-alpha, hidden LR
+times m_L^(alpha-1) = 1, Adam epsilon times 1/(m_N m_L^alpha), and weight decay that keeps
+lr * wd at the proxy's (nanoGPT-mup's completep branch); the branch multiplier replaces
+GPT-2's 1/sqrt(2 L) on wo and w2. Muon: its orthogonalised update has every singular value
+near 1, so Moonlight's 0.2 sqrt(max(fan_out, fan_in)) LR makes the update's spectral norm grow
+as sqrt(width); the spectral condition (Bernstein & Yang 2023, sqrt(fan_out / fan_in) at a
+fixed aspect ratio) keeps it at the proxy's, which is Moonlight's factor frozen at the proxy
+shape: lr / sqrt(m_N) (docs/optimizers.md; benchmarks/lr_transfer.py measures it).
+
+At base_dim = dim and base_n_layers = n_layers, mup and completep differ from sp only in the
+attention scale (and completep also in wo/w2's init). Everything here is a plain constant of
+the model's shape; no distributed code. `args` is a model.ModelArgs (duck-typed: this module
+sits below model.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+PARAMETRIZATIONS = ("sp", "mup", "completep")
+INIT_STD = 0.02
+"""GPT-2's and Hugging Face Llama's initializer_range: the proxy's init std of every matrix."""
+HIDDEN = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+          "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+"""The blocks' hidden matrices (Llama names): both dimensions grow with the width."""
+RESIDUAL_WRITERS = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+def check(args) -> None:
+    """Raise ValueError naming the model field when the parametrization settings cannot apply to args's shape.
+
+    Accepted: parametrization in PARAMETRIZATIONS; under mup/completep a base_dim that divides
+    dim (a whole width multiplier: 64, 128, 256 ... below dim); under completep a base_n_layers
+    in 1..n_layers; under sp neither base field set (they would do nothing).
+    """
+    p = args.parametrization
+    if p not in PARAMETRIZATIONS:
+        raise ValueError(f"model.parametrization must be one of {', '.join(PARAMETRIZATIONS)}, got {p!r}")
+    if p == "sp":
+        if args.base_dim or args.base_n_layers:
+            raise ValueError("model.base_dim and model.base_n_layers apply only under model.parametrization mup or "
+                             "completep; set --model.parametrization mup (or completep), or drop them")
+        return
+    if not 0 < args.base_dim <= args.dim or args.dim % args.base_dim:
+        raise ValueError(f"model.parametrization {p} needs model.base_dim, the proxy width the hyperparameters were "
+                         f"tuned at: a divisor of model.dim ({args.dim}) in 1..{args.dim} (e.g. 64, 128, 256), "
+                         f"got {args.base_dim}")
+    if p == "completep" and not 0 < args.base_n_layers <= args.n_layers:
+        raise ValueError(f"model.parametrization completep needs model.base_n_layers, the proxy depth the "
+                         f"hyperparameters were tuned at, in 1..model.n_layers ({args.n_layers}), got "
+                         f"{args.base_n_layers}")
+    if p == "mup" and args.base_n_layers:
+        raise ValueError("model.base_n_layers applies only under model.parametrization completep (mup transfers "
+                         "across width alone); set --model.parametrization completep, or drop it")
+
+
+@dataclasses.dataclass(frozen=True)
+class Multipliers:
+    """The forward multipliers of a shape (all 1.0 under sp, so sp's graph has no extra op)."""
+
+    width: float
+    """m_N = dim / base_dim (1 under sp)."""
+    depth: float
+    """m_L = n_layers / base_n_layers (1 unless completep)."""
+    query: float
+    """Factor on the queries before attention's own 1/sqrt(head_dim): 1/sqrt(head_dim) makes the scores 1/head_dim."""
+    residual: float
+    """Factor on every residual branch's output (attention and feed-forward): 1/m_L."""
+    logits: float
+    """Factor on the final norm's output before the output projection: 1/m_N."""
+
+
+def multipliers(args) -> Multipliers:
+    """The Multipliers of args (model.ModelArgs)."""
+    if args.parametrization == "sp":
+        return Multipliers(1.0, 1.0, 1.0, 1.0, 1.0)
+    width = args.dim / args.base_dim
+    depth = args.n_layers / args.base_n_layers if args.parametrization == "completep" else 1.0
+    return Multipliers(width, depth, 1.0 / math.sqrt(args.head_dim), 1.0 / depth, 1.0 / width)
+
+
+def is_hidden(name: str) -> bool:
+    """Whether the parameter of this (unwrapped or compiled) name is one of the blocks' hidden matrices."""
+    name = name.replace("_orig_mod.", "")
+    return name.startswith("layers.") and any(name.endswith(f"{m}.weight") for m in HIDDEN)
+
+
+def init_std(args, name: str) -> float | None:
+    """Initial std of the parameter of this name (see the table); None for norm weights, which start at one."""
+    if name.endswith("norm.weight"):
+        return None
+    m = multipliers(args)
+    if not is_hidden(name):
+        return INIT_STD
+    if args.parametrization == "completep":
+        return INIT_STD / math.sqrt(m.width)
+    if name.endswith(RESIDUAL_WRITERS):
+        return INIT_STD / math.sqrt(2 * args.n_layers * m.width)
+    return INIT_STD / math.sqrt(m.width)
+
+
+def optimizer_settings(args, name: str, muon: bool, weight_decay: float, eps: float) -> dict:
+    """{"lr_mult", "weight_decay", "eps"} of the parameter of this name (see the table).
+
+    lr_mult multiplies optim.lr. muon: the parameter is in a Muon group (its LR then also
+    carries Moonlight's 0.2 sqrt(max(m, n)), applied by the optimizer). Norm weights and
+    vectors take no decay, as under sp.
+    """
+    m = multipliers(args)
+    decay = weight_decay if not name.endswith("norm.weight") else 0.0
+    mult = 1.0
+    if is_hidden(name) and args.parametrization != "sp":
+        mult = 1.0 / math.sqrt(m.width) if muon else 1.0 / m.width
+        if args.parametrization == "completep":
+            decay /= mult  # lr * wd stays the proxy's (independent weight decay)
+    return {"lr_mult": mult, "weight_decay": decay, "eps": eps / (m.width * m.depth)
+            if args.parametrization == "completep" else eps}
+
+
+def fold(args, state: dict, inverse: bool = False) -> dict:
+    """The state dict (our names -> full tensors) with every forward multiplier folded into the weights.
+
+    The folded weights compute the same function in a model without multipliers (sp, or Hugging
+    Face's LlamaForCausalLM): wq times the query factor (RoPE is linear), wo and w2 times the
+    residual factor, output times the logits factor. inverse=True divides instead: a folded
+    state (an export) back into this parametrization's weights. Returns new tensors; state is
+    not modified. Under sp it returns state's tensors as they are.
+    """
+    m = multipliers(args)
+    factors = {"attention.wq.weight": m.query, "attention.wo.weight": m.residual,
+               "feed_forward.w2.weight": m.residual}
+    out = {}
+    for k, v in state.items():
+        f = m.logits if k == "output.weight" else next((x for s, x in factors.items() if k.endswith(s)), 1.0)
+        out[k] = v if f == 1.0 else (v / f if inverse else v * f)
+    return out
