@@ -13,6 +13,8 @@ The math needs no conversion, only names (an export must never silently change t
   as they are (Meta's original checkpoints need a permutation; these do not).
 - RMSNorm: both normalise in fp32, cast back, then multiply by the weight; eps is copied.
 - Embeddings are untied (tie_word_embeddings false); no biases anywhere.
+- mup/completep multipliers (query, residual branches, logits) are folded into wq, wo/w2 and
+  output on export and divided back out on import (nn/parametrization.fold).
 - Special tokens: the training stream puts [EOT] after every document and never uses
   [BOT], so [EOT] is what precedes a document. As in GPT-2, it is both bos and eos;
   [PAD] is pad. No token is added automatically when encoding (same ids as prepare.py).
@@ -38,6 +40,7 @@ from core.cli import ArgumentParser
 from core.errors import UserError, one_line, report, require
 from data_pipeline.tokenizer import EOT, load_tokenizer
 from model import ModelArgs, Transformer
+from nn import parametrization
 
 # ---------------------------------------------------------------- the name mapping
 
@@ -270,6 +273,9 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
                       max_shard_size: int = 5 * 10**9) -> str:
     """Export a run's checkpoint (newest complete one unless given) to out_dir; returns the checkpoint used.
 
+    Under model.parametrization mup/completep the multipliers are folded into the weights
+    (nn/parametrization.fold), so the plain LlamaForCausalLM computes the run's logits.
+
     Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf),
     MissingPackageError without safetensors (the hf extra).
     """
@@ -280,7 +286,8 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
         shapes = Transformer(cfg.model).state_dict()
     state = {k: torch.empty(v.shape) for k, v in shapes.items()}
     read_model_weights(path, state)
-    save_hf(state, cfg.model, tokenizer, out_dir, dtype, max_shard_size)
+    # LlamaForCausalLM has no mup/completep multipliers: they go into the weights (the same function).
+    save_hf(parametrization.fold(cfg.model, state), cfg.model, tokenizer, out_dir, dtype, max_shard_size)
     return path
 
 
@@ -374,7 +381,8 @@ def load_hf_into(model: Transformer, folder: str, copy_: Callable[[Tensor, Tenso
 
     model may be whole or sharded (FSDP2/TP DTensors): copy_(param, full) writes a full
     tensor into a parameter, e.g. parallelize.copy_sharded, which keeps only the local shard
-    without communication. Weights are cast to each parameter's dtype. Raises HFError if the
+    without communication. Weights are cast to each parameter's dtype; under mup/completep the
+    multipliers are divided out of them (fold's inverse). Raises HFError if the
     config differs from model.args (see check_args), or a tensor is unknown, has another
     shape (naming the key) or is missing.
     """
@@ -387,6 +395,9 @@ def load_hf_into(model: Transformer, folder: str, copy_: Callable[[Tensor, Tenso
         if tuple(tensor.shape) != tuple(params[name].shape):
             raise HFError(f"'{folder}': {to_hf_name(name)} has shape {tuple(tensor.shape)}, "
                           f"the model's {name} has {tuple(params[name].shape)}")
+        # An HF model has no multipliers: under mup/completep they come back out of the weights, so the
+        # model computes the folder's function (and a folded export gets its own weights back).
+        tensor = parametrization.fold(model.args, {name: tensor}, inverse=True)[name]
         copy_(params[name], tensor.to(params[name].dtype))
         seen.add(name)
     missing = sorted(set(params) - seen)
