@@ -179,6 +179,8 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
             dtype: torch.dtype = torch.float32, max_shard_size: int = 5 * 10**9) -> None:
     """Write state (our names -> full tensors) as a Hugging Face Llama folder out_dir.
 
+    Under args.parametrization mup/completep the multipliers are folded into the weights
+    (nn/parametrization.fold), so the plain LlamaForCausalLM computes the model's logits.
     Tensors are cast to dtype (float32 or bfloat16) and sharded above max_shard_size bytes.
     The folder is written beside out_dir and renamed into place, so a crash leaves no
     half folder. Raises HFError if out_dir holds files, state has another shape than args,
@@ -209,7 +211,8 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
         raise HFError(f"--out '{out_dir}': cannot create a folder in '{parent}' ({e.strerror}); "
                       f"choose a writable location") from e
     try:
-        tensors = {to_hf_name(k): v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+        folded = parametrization.fold(args, state)  # LlamaForCausalLM has no multipliers: the same function
+        tensors = {to_hf_name(k): v.detach().to("cpu", dtype).contiguous() for k, v in folded.items()}
         shards = _shards(tensors, max_shard_size)
         if len(shards) == 1:
             save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -273,8 +276,6 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
                       max_shard_size: int = 5 * 10**9) -> str:
     """Export a run's checkpoint (newest complete one unless given) to out_dir; returns the checkpoint used.
 
-    Under model.parametrization mup/completep the multipliers are folded into the weights
-    (nn/parametrization.fold), so the plain LlamaForCausalLM computes the run's logits.
 
     Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf),
     MissingPackageError without safetensors (the hf extra).
@@ -286,8 +287,7 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
         shapes = Transformer(cfg.model).state_dict()
     state = {k: torch.empty(v.shape) for k, v in shapes.items()}
     read_model_weights(path, state)
-    # LlamaForCausalLM has no mup/completep multipliers: they go into the weights (the same function).
-    save_hf(parametrization.fold(cfg.model, state), cfg.model, tokenizer, out_dir, dtype, max_shard_size)
+    save_hf(state, cfg.model, tokenizer, out_dir, dtype, max_shard_size)
     return path
 
 

@@ -52,8 +52,14 @@ def hf_tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("shape", [GQA, PRESETS["debug"]], ids=["gqa", "debug"])
+MUP = dict(parametrization="mup", base_dim=16)
+COMPLETEP = dict(parametrization="completep", base_dim=16, base_n_layers=1)
+
+
+@pytest.mark.parametrize("shape", [GQA, PRESETS["debug"], {**GQA, **MUP}, {**GQA, **COMPLETEP}],
+                         ids=["gqa", "debug", "mup", "completep"])
 def test_exported_logits_equal_ours_under_transformers(tmp_path, tok_path, shape):
+    """The export folds mup/completep's multipliers into the weights: plain LlamaForCausalLM gives our logits."""
     args = ModelArgs(**shape)
     model = random_model(args)
     hf.save_hf(model.state_dict(), args, tok_path, str(tmp_path / "out"))
@@ -65,7 +71,20 @@ def test_exported_logits_equal_ours_under_transformers(tmp_path, tok_path, shape
     with torch.no_grad():
         ours, theirs = model(tokens), ref(tokens).logits
     assert ours.abs().max() > 1.0  # the comparison is not between near-zero logits
-    assert (ours - theirs).abs().max().item() <= 1e-4
+    assert (ours - theirs).abs().max().item() <= (1e-5 if "parametrization" in shape else 1e-4)
+
+
+@pytest.mark.parametrize("shape", [MUP, COMPLETEP], ids=["mup", "completep"])
+def test_an_export_imported_into_its_parametrization_gives_back_its_weights(tmp_path, tok_path, shape):
+    """init_from_hf of a mup/completep export into the same parametrization: the run's own weights (the multipliers
+    divided back out), so training continues from the same function and the same optimizer geometry."""
+    args = ModelArgs(**{**GQA, **shape})
+    model = random_model(args)
+    hf.save_hf(model.state_dict(), args, tok_path, str(tmp_path / "out"))
+    again = Transformer(args)
+    hf.load_hf_into(again, str(tmp_path / "out"))
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v, rtol=1e-6, atol=0, msg=k)
 
 
 def test_tokenizer_round_trips_through_autotokenizer(tmp_path, tok_path):
