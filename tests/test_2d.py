@@ -68,6 +68,8 @@ CHUNKED = ("--train.loss_chunk_size", "100")  # 16 x 128 tokens a step: 21 chunk
 DOCMASK = ("--model.document_mask", "true")
 HSDP = ("--parallel.dp_replicate", "2")
 Z_LOSS = ("--train.z_loss", "0.01")  # 100x PaLM's, so that the term moves the gradients measurably
+MUP = ("--model.parametrization", "mup", "--model.base_dim", "64")
+COMPLETEP = ("--model.parametrization", "completep", "--model.base_dim", "64", "--model.base_n_layers", "2")
 
 
 LAYOUT_CASES = [
@@ -88,9 +90,17 @@ LAYOUT_CASES = [
     (4, 2, HSDP, ()),
     # The z-loss vocabulary-parallel (its logsumexp from the shards) against full logits in one process.
     (2, 2, Z_LOSS, Z_LOSS),
+    # mup and completep: their multipliers and per-group LRs are the same constants on every layout.
+    (2, 1, MUP, MUP),
+    (2, 2, MUP, MUP),
+    (4, 1, (*MUP, *HSDP), MUP),
+    (2, 1, COMPLETEP, COMPLETEP),
+    (2, 2, COMPLETEP, COMPLETEP),
+    (4, 1, (*COMPLETEP, *HSDP), COMPLETEP),
 ]
 LAYOUT_IDS = ["fsdp2", "dp1xtp2_accumulating", "dp2xtp2", "chunked_ws1_accumulating", "chunked_fsdp2_accumulating",
-        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2", "zloss_dp1xtp2"]
+        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2", "zloss_dp1xtp2",
+        "mup_fsdp2", "mup_dp1xtp2", "mup_hsdp2x2", "completep_fsdp2", "completep_dp1xtp2", "completep_hsdp2x2"]
 
 
 @pytest.fixture(scope="module")

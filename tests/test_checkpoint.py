@@ -79,6 +79,25 @@ def test_every_piece_of_state_round_trips(tmp_path, single_rank_group, steps):
     _assert_same_state(a, b)
 
 
+@pytest.mark.parametrize("parametrization", [
+    ("--model.parametrization", "mup", "--model.base_dim", "32"),
+    ("--model.parametrization", "completep", "--model.base_dim", "32", "--model.base_n_layers", "1"),
+    ("--model.parametrization", "mup", "--model.base_dim", "32", "--optim.name", "muon"),
+], ids=["mup", "completep", "mup_muon"])
+def test_mup_and_completep_state_round_trips_and_the_run_continues_exactly(tmp_path, single_rank_group,
+                                                                           parametrization):
+    """A resumed mup/completep run has the saved run's every state and per-group LR, and its next steps are exact."""
+    a = _session(tmp_path / "a", *parametrization)
+    _steps(a, 3)
+    a.ckpt.save(3, a.app)
+    b = _session(tmp_path / "a", *parametrization)
+    assert len({g["lr"] for g in b.optimizer.param_groups}) == 2  # the width's LR multiplier is in force
+    _assert_same_state(a, b)
+    _steps(a, 2)
+    _steps(b, 2)
+    _assert_same_state(a, b)
+
+
 def test_async_save_equals_sync_save_even_when_training_goes_on(tmp_path, single_rank_group):
     sync = _session(tmp_path / "sync")
     _steps(sync, 2)

@@ -18,7 +18,7 @@ from launch import (
     wait_for_step,
 )
 from model import document_positions, slice_layout
-from test_2d import GRAD_RTOL, packed_tokens, rel  # noqa: F401 (packed_tokens is a fixture)
+from test_2d import COMPLETEP, GRAD_RTOL, MUP, packed_tokens, rel  # noqa: F401 (packed_tokens is a fixture)
 
 MHA = ("--model.n_kv_heads", "4")  # 4 query and 4 key/value heads: they split over cp 4 and over cp 2 x tp 2
 DOCMASK = ("--model.document_mask", "true")
@@ -42,8 +42,10 @@ CP_CASES = [
     (4, 1, (*MHA, *DOCMASK, *CP2), (*MHA, *DOCMASK)),
     (4, 2, (*MHA, *DOCMASK, *CP2), (*MHA, *DOCMASK)),
     (4, 1, (*MHA, *DOCMASK, "--parallel.cp", "4"), (*MHA, *DOCMASK)),
+    (2, 1, (*MHA, *MUP, *CP2), (*MHA, *MUP)),  # mup's 1/head_dim scores through Ulysses
+    (2, 1, (*MHA, *COMPLETEP, *CP2), (*MHA, *COMPLETEP)),
 ]
-CP_IDS = ["causal_cp2", "docmask_cp2", "docmask_dp2xcp2", "docmask_cp2xtp2", "docmask_cp4"]
+CP_IDS = ["causal_cp2", "docmask_cp2", "docmask_dp2xcp2", "docmask_cp2xtp2", "docmask_cp4", "mup_cp2", "completep_cp2"]
 
 
 @pytest.fixture(scope="module")

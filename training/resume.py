@@ -39,6 +39,8 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
         claim()
         return None, ""
     saved = saved_config(path)  # read once: on a store every read is a request
+    if saved.get("model"):  # saved before model.parametrization existed: it was sp
+        saved["model"] = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, **saved["model"]}
     # Fields first: they name what differs, where shapes could only list tensors.
     check_same_config(path, saved, "model", dataclasses.asdict(cfg.model))
     # The data cursor counts windows of seq_len among the train windows: another length or
