@@ -75,6 +75,11 @@ PRE_GROUP = [
     (["--train.z_loss", "-1e-4"], "train.z_loss must be a finite number >= 0 (0: off), got -0.0001"),
     (["--train.spike_skip", "nan"], "train.spike_skip must be a finite number >= 0 (0: off), got nan"),
     (["--train.spike_window", "1"], "train.spike_window must be >= 2 steps"),
+    (["--model.parametrization", "mu"], "model.parametrization must be one of sp, mup, completep, got 'mu'"),
+    (["--model.parametrization", "mup", "--model.base_dim", "256"], "a divisor of model.dim (128) in 1..128"),
+    (["--model.parametrization", "mup", "--model.base_dim", "48"], "a divisor of model.dim (128) in 1..128 (e.g. 64"),
+    (["--model.parametrization", "completep", "--model.base_dim", "64"], "completep needs model.base_n_layers"),
+    (["--model.base_dim", "64"], "model.base_dim and model.base_n_layers apply only under model.parametrization mup"),
 ]
 
 

@@ -1,0 +1,70 @@
+"""ladder.py: the fit against a known law, the rungs' shapes and steps, skipping finished rungs, and bad input."""
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import ladder
+from config import parse_config
+from launch import DEBUG, prepared_data_dir
+from model import num_params
+
+TARGET = ["--config", DEBUG, "--model.parametrization", "mup", "--model.base_dim", "32", "--model.n_kv_heads", "4"]
+
+
+def test_the_fit_recovers_a_known_law_and_its_prediction():
+    e, a, alpha = 1.7, 400.0, 0.35
+    n = np.array([5e4, 1e5, 2e5, 4e5, 8e5])
+    e2, a2, alpha2 = ladder.fit(n, e + a * n ** -alpha)
+    assert (e2, a2, alpha2) == pytest.approx((e, a, alpha), rel=2e-3)
+    pred, lo, hi = ladder.predict(n[:4], e + a * n[:4] ** -alpha, 1.6e6)
+    assert pred == pytest.approx(e + a * 1.6e6 ** -alpha, rel=1e-3) and lo <= pred <= hi
+
+
+def test_rungs_keep_the_targets_head_dim_ratios_and_tokens_per_parameter(tmp_path):
+    cfg = parse_config(TARGET)
+    rungs = ladder.plan(cfg, ["32x2", "64x3"], 20, str(tmp_path))
+    for r, (dim, layers) in zip(rungs, [(32, 2), (64, 3)]):
+        a = r.args
+        assert (a.dim, a.n_layers, a.head_dim, a.n_heads, a.n_kv_heads) == (dim, layers, 32, dim // 32, dim // 32)
+        assert a.ffn_dim == 32 * math.ceil(cfg.model.ffn_dim / cfg.model.dim * dim / 32)
+        assert (a.parametrization, a.base_dim) == ("mup", 32)
+        tokens = 20 * num_params(a, exclude_embedding=True)
+        assert r.steps == math.ceil(tokens / (cfg.train.global_batch_size * cfg.data.seq_len))
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--config", DEBUG, "--rungs", "32x2,64x2,96x2"], "set --model.parametrization mup (or completep)"),
+    ([*TARGET, "--rungs", "32x2,64x2"], "--rungs needs at least 3 sizes"),
+    ([*TARGET, "--rungs", "32x2,48x2,64x2"], "ladder size 48x2: width must be a multiple of the target's head_dim"),
+    ([*TARGET, "--rungs", "32x2,64x2,big"], "ladder size 'big' is not WIDTHxDEPTH"),
+    ([*TARGET, "--model.base_dim", "64", "--rungs", "32x2,64x2,128x2"], "ladder size 32x2: model.parametrization"),
+])
+def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys, argv, msg):
+    rc = ladder.main([*argv, "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
+    assert not os.path.exists(tmp_path / "l")
+
+
+@pytest.mark.slow
+def test_a_ladder_trains_its_rungs_as_run_directories_and_skips_them_when_run_again(tmp_path, capsys):
+    argv = [*TARGET, "--train.global_batch_size", "4", "--data.seq_len", "32", "--train.val_interval", "0",
+            "--optim.warmup_steps", "10", "--train.steps", "100", "--rungs", "32x1,64x1,96x1",
+            "--tokens_per_param", "0.005", "--ladder_dir", str(tmp_path / "l"),
+            "--launcher", f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2"]
+    for rung in ("32x1", "64x1", "96x1"):
+        prepared_data_dir(tmp_path / "l" / f"rung_{rung}")
+    assert ladder.main(argv) == 0
+    first = capsys.readouterr().out
+    for rung in ("32x1", "64x1", "96x1"):  # ordinary run directories: config, metrics, checkpoints, exit record
+        assert {"config.toml", "metrics.jsonl", "checkpoints", "exit.json"} <= set(os.listdir(tmp_path / "l" /
+                                                                                             f"rung_{rung}"))
+    assert "predicted val_loss" in first and os.path.isfile(tmp_path / "l" / "ladder.md")
+    # Again with a launcher that would fail: every rung is finished, so none is started.
+    assert ladder.main([*argv[:-1], "false"]) == 0
+    second = capsys.readouterr().out
+    assert second.count("finished before") == 3
+    assert second.split("Fit:")[1] == first.split("Fit:")[1]
