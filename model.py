@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from nn import parametrization
+from nn.parametrization import check as check_parametrization
+from nn.parametrization import init_std, multipliers
 
 
 @dataclasses.dataclass
@@ -85,7 +86,7 @@ class ModelArgs:
                 raise ValueError(f"model.{name} must be a finite number > 0, got {getattr(self, name)}")
         if not 0 <= self.eot_id < self.vocab_size:
             raise ValueError(f"model.eot_id must be in 0..model.vocab_size-1 ({self.vocab_size - 1}), got {self.eot_id}")
-        parametrization.check(self)
+        check_parametrization(self)
 
     @property
     def head_dim(self) -> int:
@@ -269,7 +270,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.query_scale = parametrization.multipliers(args).query
+        self.query_scale = multipliers(args).query
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -319,7 +320,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
-        self.residual_scale = parametrization.multipliers(args).residual
+        self.residual_scale = multipliers(args).residual
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None,
                 cache: KVCache | None = None, start: int = 0) -> Tensor:
@@ -341,7 +342,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.logits_scale = parametrization.multipliers(args).logits
+        self.logits_scale = multipliers(args).logits
         # Not persistent: recomputed by init_weights, never checkpointed. fp32 here; a block
         # sharded with bf16 mixed precision receives them cast to bf16 (see apply_rope).
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
@@ -423,7 +424,7 @@ class Transformer(nn.Module):
         that write into the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2,
         sec. 2.3). mup and completep: nn/parametrization.py's table.
         """
-        return parametrization.init_std(self.args, name)
+        return init_std(self.args, name)
 
     @torch.no_grad()
     def init_weights(self, seed: int, copy_: Callable[[Tensor, Tensor], None] = Tensor.copy_) -> None:
