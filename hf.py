@@ -276,7 +276,6 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
                       max_shard_size: int = 5 * 10**9) -> str:
     """Export a run's checkpoint (newest complete one unless given) to out_dir; returns the checkpoint used.
 
-
     Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf),
     MissingPackageError without safetensors (the hf extra).
     """

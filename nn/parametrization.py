@@ -125,21 +125,22 @@ def init_std(args, name: str) -> float | None:
 
 
 def optimizer_settings(args, name: str, muon: bool, weight_decay: float, eps: float) -> dict:
-    """{"lr_mult", "weight_decay", "eps"} of the parameter of this name (see the table).
+    """{"lr_mult", "weight_decay", "eps"} of the parameter of this name (see the table); args None is sp.
 
+    weight_decay: optim.weight_decay, or 0 for a parameter that is not decayed (norm weights).
     lr_mult multiplies optim.lr. muon: the parameter is in a Muon group (its LR then also
-    carries Moonlight's 0.2 sqrt(max(m, n)), applied by the optimizer). Norm weights and
-    vectors take no decay, as under sp.
+    carries Moonlight's 0.2 sqrt(max(m, n)), applied by the optimizer).
     """
+    if args is None or args.parametrization == "sp":
+        return {"lr_mult": 1.0, "weight_decay": weight_decay, "eps": eps}
     m = multipliers(args)
-    decay = weight_decay if not name.endswith("norm.weight") else 0.0
-    mult = 1.0
-    if is_hidden(name) and args.parametrization != "sp":
+    decay, mult = weight_decay, 1.0
+    if is_hidden(name):
         mult = 1.0 / math.sqrt(m.width) if muon else 1.0 / m.width
         if args.parametrization == "completep":
             decay /= mult  # lr * wd stays the proxy's (independent weight decay)
-    return {"lr_mult": mult, "weight_decay": decay, "eps": eps / (m.width * m.depth)
-            if args.parametrization == "completep" else eps}
+    completep = args.parametrization == "completep"
+    return {"lr_mult": mult, "weight_decay": decay, "eps": eps / (m.width * m.depth) if completep else eps}
 
 
 def fold(args, state: dict, inverse: bool = False) -> dict:

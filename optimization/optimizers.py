@@ -167,21 +167,20 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, 
     blocks' hidden matrices in a Muon group (decay cfg.weight_decay, momentum cfg.muon_momentum)
     and the rest in AdamW groups as above; one LambdaLR scales every group. Under model.parametrization
     mup/completep (model.args) each parameter's LR multiplier, decay and eps come from
-    nn/parametrization.py, one group per distinct setting (sp: the groups above, decay first). fused: the fused
+    nn/parametrization.py, the hidden matrices in groups of their own (sp: the groups above). fused: the fused
     AdamW kernel (CUDA, and CPU since torch 2.4); pass False when the parameters live in CPU
     memory under CUDA offloading.
     """
     named = list(model.named_parameters())
-    args = getattr(model, "args", None)
-    # One group per role, in the order parameters first appear: (decayed, Muon, scaled with the width). The roles,
-    # not the values, make the groups, so a resume with another weight decay finds the groups it saved.
+    args = getattr(model, "args", None)  # model.ModelArgs; a model without it trains under sp
+    scaled = args is not None and args.parametrization != "sp"
+    # One group per role, in the order parameters first appear: (decayed, Muon, a hidden matrix under mup/completep).
+    # Roles, not values, make the groups, so a resume with another weight decay finds the groups it saved.
     groups: dict[tuple, dict] = {}
     for name, p in named:
         muon = cfg.name == "muon" and is_muon_matrix(name)
-        s = parametrization.optimizer_settings(args, name, muon, cfg.weight_decay if p.ndim >= 2 else 0.0, cfg.eps) \
-            if args is not None else {"lr_mult": 1.0, "weight_decay": cfg.weight_decay if p.ndim >= 2 else 0.0,
-                                      "eps": cfg.eps}
-        key = (p.ndim >= 2, muon, s["lr_mult"] != 1.0)
+        s = parametrization.optimizer_settings(args, name, muon, cfg.weight_decay if p.ndim >= 2 else 0.0, cfg.eps)
+        key = (p.ndim >= 2, muon, scaled and parametrization.is_hidden(name))
         if key not in groups:
             groups[key] = {"params": [], "lr": cfg.lr * s["lr_mult"], "weight_decay": s["weight_decay"],
                            "eps": s["eps"], **({"muon": True} if muon else {})}
