@@ -76,7 +76,11 @@ def record(args: ModelArgs, steps: int, lr: float, optim: str = "adamw", seed: i
     opt, sched = build_optimizer(model, OptimConfig(name=optim, lr=lr, warmup_steps=0, schedule="wsd",
                                                     decay_fraction=1e-6, weight_decay=0.0), 10**6, fused=False)
     gen = torch.Generator().manual_seed(seed)
-    batches = torch.randint(0, VOCAB, (steps, BATCH, SEQ + 1), generator=gen)
+    # Zipf-distributed tokens (p(k) ~ 1/(k+1), as words in text): a frequent token recurs in every batch, so
+    # successive gradients share directions as on real data; uniform tokens would make every update noise.
+    zipf = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64)
+    batches = torch.multinomial(zipf / zipf.sum(), steps * BATCH * (SEQ + 1), replacement=True,
+                                generator=gen).view(steps, BATCH, SEQ + 1)
     seen: dict[str, list[float]] = {}
 
     def hook(name):
