@@ -17,6 +17,8 @@ its kernel is the replaceable ``Attention.attend`` (context_parallel.py swaps in
 forward on a slice of longer windows takes the slice's ``SequenceLayout`` (positions and the
 windows' documents, computed here from the whole windows by ``slice_layout``).
 Decoding (generate.py) runs this same forward with a ``KVCache`` per layer, unsharded.
+Under ``parametrization`` mup or completep (nn/parametrization.py) the init follows its table and
+three constants of the shape multiply the queries, the residual branches and the logits.
 """
 from __future__ import annotations
 
