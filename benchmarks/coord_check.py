@@ -175,7 +175,7 @@ def main() -> None:
     for p in ("sp", "mup"):
         s = sweep(p, widths, [2], a.steps, a.lr, a.optim)
         panels += [(f"{p} activations", s, acts, "width"), (f"{p} updates", s, ups, "width")]
-        print(f"{p}: spread over widths at step {a.steps}: " +
+        print(f"{p}: largest / smallest width at step {a.steps}: " +
               ", ".join(f"{k} {growth(s, k, a.steps):.2f}x" for k in acts + ups), flush=True)
     for p in ("sp", "completep"):
         s = sweep(p, [widths[0]], depths, a.steps, a.lr, a.optim)

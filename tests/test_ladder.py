@@ -54,7 +54,7 @@ def test_a_ladder_trains_its_rungs_as_run_directories_and_skips_them_when_run_ag
     argv = [*TARGET, "--train.global_batch_size", "4", "--data.seq_len", "32", "--train.val_interval", "0",
             "--optim.warmup_steps", "10", "--train.steps", "100", "--rungs", "32x1,64x1,96x1",
             "--tokens_per_param", "0.005", "--ladder_dir", str(tmp_path / "l"),
-            "--launcher", f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=2"]
+            "--launcher", f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=1"]
     for rung in ("32x1", "64x1", "96x1"):
         prepared_data_dir(tmp_path / "l" / f"rung_{rung}")
     assert ladder.main(argv) == 0
