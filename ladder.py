@@ -33,6 +33,7 @@ import numpy as np
 from config import Config, parse_config
 from core.errors import ConfigError, UserError, report
 from model import ModelArgs, num_params
+from storage.rundir import RunDir
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -98,9 +99,9 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
 def final_val_loss(run_dir: str, steps: int) -> float | None:
     """The val_loss logged at step `steps` of a finished run directory, or None if it has not finished there."""
     try:
-        with open(os.path.join(run_dir, "exit.json")) as f:
+        with open(RunDir(run_dir).exit_record) as f:
             done = json.load(f)
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        with open(RunDir(run_dir).metrics) as f:
             records = [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError):
         return None
