@@ -1,4 +1,5 @@
 """ladder.py: the fit against a known law, the rungs' shapes and steps, skipping finished rungs, and bad input."""
+import json
 import math
 import os
 import sys
@@ -50,21 +51,29 @@ def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys, argv, msg)
 
 
 @pytest.mark.slow
-def test_a_ladder_trains_its_rungs_as_run_directories_and_skips_them_when_run_again(tmp_path, capsys):
+def test_a_ladder_trains_a_missing_rung_as_a_run_directory_and_skips_finished_ones(tmp_path, capsys):
+    """Two rungs finished before (their exit record and final val_loss), one to train: only that one is launched, as
+    an ordinary run directory; run again with a launcher that would fail, every rung is skipped and the fit is the
+    same."""
     argv = [*TARGET, "--train.global_batch_size", "4", "--data.seq_len", "32", "--train.val_interval", "0",
             "--optim.warmup_steps", "10", "--train.steps", "100", "--rungs", "32x1,64x1,96x1",
             "--tokens_per_param", "0.005", "--ladder_dir", str(tmp_path / "l"),
             "--launcher", f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=1"]
-    for rung in ("32x1", "64x1", "96x1"):
-        prepared_data_dir(tmp_path / "l" / f"rung_{rung}")
+    rungs = ladder.plan(parse_config(argv[:argv.index("--rungs")]), ["32x1", "64x1", "96x1"], 0.005,
+                        str(tmp_path / "l"))
+    for r, loss in zip(rungs[1:], (7.9, 7.7)):  # finished before
+        os.makedirs(r.run_dir)
+        with open(os.path.join(r.run_dir, "exit.json"), "w") as f:
+            json.dump({"status": "finished", "step": r.steps, "steps": r.steps}, f)
+        with open(os.path.join(r.run_dir, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"step": r.steps, "val_loss": loss}) + "\n")
+    prepared_data_dir(rungs[0].run_dir)
     assert ladder.main(argv) == 0
     first = capsys.readouterr().out
-    for rung in ("32x1", "64x1", "96x1"):  # ordinary run directories: config, metrics, checkpoints, exit record
-        assert {"config.toml", "metrics.jsonl", "checkpoints", "exit.json"} <= set(os.listdir(tmp_path / "l" /
-                                                                                             f"rung_{rung}"))
-    assert "predicted val_loss" in first and os.path.isfile(tmp_path / "l" / "ladder.md")
-    # Again with a launcher that would fail: every rung is finished, so none is started.
-    assert ladder.main([*argv[:-1], "false"]) == 0
+    assert first.count("finished before") == 2 and "predicted val_loss" in first
+    assert {"config.toml", "metrics.jsonl", "checkpoints", "exit.json"} <= set(os.listdir(rungs[0].run_dir))
+    assert os.path.isfile(tmp_path / "l" / "ladder.md")
+    assert ladder.main([*argv[:-1], "false"]) == 0  # every rung finished: none is started
     second = capsys.readouterr().out
     assert second.count("finished before") == 3
     assert second.split("Fit:")[1] == first.split("Fit:")[1]
