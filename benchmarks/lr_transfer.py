@@ -2,7 +2,7 @@
 
     python benchmarks/lr_transfer.py --out benchmarks/results/FILE.md [--steps 200] [--workers 2]
 
-About 40 minutes on 2 cores with the defaults. Every point trains the trainer's model and
+About an hour on 2 cores with the defaults (55 minutes measured). Every point trains the trainer's model and
 optimizer (model.py, optimization/) in one process on one thread, on the offline stdlib corpus
 (configs/debug.toml's data with a 1024-token tokenizer, windows of SEQ tokens), the same
 batches in the same order for every point, a fixed budget (steps x BATCH x SEQ tokens), WSD
