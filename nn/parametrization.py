@@ -21,9 +21,9 @@ multiplier follow these rules. With m_N = dim / base_dim and m_L = n_layers / ba
 Sources: mup is Tensor Programs V (Yang et al. 2022), Table 3's Adam column in the form of
 its Table 8 (the output multiplier 1/m_N with a width-independent readout init and LR, as
 microsoft/mup's MuReadout and MuAdam do), and the attention scale of its section 4; the init
-and LR multipliers are those of EleutherAI's nanoGPT-mup, which our sp table equals at
-m_N = 1. completep is Dey et al. 2025 ("Don't be lazy: CompleteP enables compute-efficient
-deep transformers"), Table 1 at alpha = 1: the residual multiplier m_L^-alpha, hidden LR
+and LR multipliers are those of EleutherAI's nanoGPT-mup (untied here: the output keeps
+sp's init and LR, and carries the 1/m_N). completep is Dey et al. 2025 ("Don't be lazy:
+CompleteP enables compute-efficient deep transformers"), Table 1 at alpha = 1: the residual multiplier m_L^-alpha, hidden LR
 times m_L^(alpha-1) = 1, Adam epsilon times 1/(m_N m_L^alpha), and weight decay that keeps
 lr * wd at the proxy's (nanoGPT-mup's completep branch); the branch multiplier replaces
 GPT-2's 1/sqrt(2 L) on wo and w2. Muon: its orthogonalised update has every singular value
