@@ -124,7 +124,7 @@ def train(rung: Rung, cfg: Config, argv: list[str], launcher: list[str], script:
            "--train.steps", str(rung.steps), "--optim.warmup_steps", str(warmup),
            "--train.val_interval", str(cfg.train.val_interval or rung.steps)]  # the score: val_loss at the end
     print(f"[ladder] {rung.name}: {rung.n_params:,} parameters, {rung.steps} steps: {shlex.join(cmd)}", flush=True)
-    if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+    if subprocess.run(cmd).returncode != 0:  # in the caller's directory: its relative paths hold
         raise UserError(f"ladder rung {rung.name} failed (its run directory {rung.run_dir} keeps what it did; "
                         f"run the ladder again to resume it)")
     done = final_val_loss(rung.run_dir, rung.steps)
