@@ -2,7 +2,7 @@
 
     python benchmarks/coord_check.py --out benchmarks/results/coord_check.png [--optim adamw|muon] [--steps 4]
 
-Trains each shape for a few steps (one process, fixed random tokens, the same batches for
+Trains each shape for a few steps (one process, Zipf-distributed random tokens, the same batches for
 every shape, the trainer's model and optimizer) and records, at every step t, the RMS of each
 module's output in the forward of step t (the weights after t - 1 updates): the token
 embedding, each block's attention and feed-forward branches (their multiplier included) and the
