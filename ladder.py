@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -71,8 +72,8 @@ def rung_args(target: ModelArgs, width: int, depth: int) -> ModelArgs:
     ffn = 32 * math.ceil(target.ffn_dim / target.dim * width / 32)
     if heads < 1 or width % target.head_dim or kv < 1 or heads % kv:
         raise ConfigError(f"ladder size {width}x{depth}: width must be a multiple of the target's head_dim "
-                          f"({target.head_dim}) with whole key/value heads ({target.n_heads // target.n_kv_heads} "
-                          f"query heads per key/value head)")
+                          f"({target.head_dim}) with whole key/value heads (query heads per key/value head: "
+                          f"{target.n_heads // target.n_kv_heads})")
     try:
         return dataclasses.replace(target, dim=width, n_layers=depth, n_heads=heads, n_kv_heads=kv, ffn_dim=ffn)
     except ValueError as e:
@@ -85,8 +86,8 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
         raise ConfigError("the ladder transfers the target's hyperparameters to its rungs: set "
                           "--model.parametrization mup (or completep) with --model.base_dim, the width they were "
                           "tuned at")
-    if not tokens_per_param > 0:
-        raise ConfigError(f"--tokens_per_param must be > 0, got {tokens_per_param}")
+    if not 0 < tokens_per_param < math.inf:
+        raise ConfigError(f"--tokens_per_param must be a finite number > 0, got {tokens_per_param}")
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     rungs = []
     for size in sizes:
@@ -94,6 +95,20 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
         steps = math.ceil(tokens_per_param * num_params(args, exclude_embedding=True) / tokens_per_step)
         rungs.append(Rung(size, args, steps, os.path.join(ladder_dir, f"rung_{size}")))
     return rungs
+
+
+def check_inputs(rungs: list[Rung], launcher: list[str], ladder_dir: str) -> None:
+    """ConfigError before anything runs: a size given twice (rungs and checks share run directories), a launcher
+    that is not a command, a ladder_dir that is a file."""
+    names = [r.name for r in rungs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"ladder size {twice[0]} is given twice (in --rungs or --check); give each size once")
+    if not launcher or shutil.which(launcher[0]) is None:
+        raise ConfigError(f"--launcher {shlex.join(launcher)!r}: {launcher[0] if launcher else 'an empty command'} "
+                          f"is not a command here; e.g. --launcher \"torchrun --standalone --nproc_per_node=2\"")
+    if os.path.exists(ladder_dir) and not os.path.isdir(ladder_dir):
+        raise ConfigError(f"--ladder_dir '{ladder_dir}' is a file; choose a folder")
 
 
 def final_val_loss(run_dir: str, steps: int) -> float | None:
@@ -117,7 +132,7 @@ def train(rung: Rung, cfg: Config, argv: list[str], launcher: list[str], script:
         print(f"[ladder] {rung.name}: finished before, val_loss {done:.4f}", flush=True)
         return done
     a = rung.args
-    warmup = round(cfg.optim.warmup_steps * rung.steps / cfg.train.steps)
+    warmup = min(rung.steps, round(cfg.optim.warmup_steps * rung.steps / cfg.train.steps))
     cmd = [*launcher, os.path.join(ROOT, script), *argv, "--run_dir", rung.run_dir,
            "--model.dim", str(a.dim), "--model.n_layers", str(a.n_layers), "--model.n_heads", str(a.n_heads),
            "--model.n_kv_heads", str(a.n_kv_heads), "--model.ffn_dim", str(a.ffn_dim),
@@ -136,13 +151,15 @@ def train(rung: Rung, cfg: Config, argv: list[str], launcher: list[str], script:
 def fit(n: np.ndarray, loss: np.ndarray) -> tuple[float, float, float]:
     """(E, A, alpha) of L(N) = E + A N^-alpha by least squares over n (parameters) and loss, alpha in [0.01, 2].
 
-    For each alpha the best E and A >= 0 are linear least squares; the alpha of the smallest
+    For each alpha the best E >= 0 and A >= 0 are linear least squares; the alpha of the smallest
     squared error wins, searched on a grid of 2000 and then twice on a 100x finer one around it. Needs >= 3 points. Source of the form: Kaplan
     et al. 2020 / Hoffmann et al. 2022 (Chinchilla's L(N) term with an irreducible E).
     """
     def solve(alpha: float) -> tuple[float, float, float]:
         x = n ** -alpha
         (e, a), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), loss, rcond=None)
+        if e < 0:  # a loss has a floor >= 0: the best pure power law instead
+            e, a = 0.0, float(x @ loss / (x @ x))
         return (float(((e + a * x - loss) ** 2).sum()) if a >= 0 else math.inf), float(e), float(a)
 
     best = (math.inf, 0.0, 0.0, 0.0)
@@ -172,13 +189,15 @@ def write_report(rungs: list[Rung], checks: list[Rung], target: ModelArgs, ladde
     e, a, alpha = fit(n, loss)
     n_target = num_params(target, exclude_embedding=True)
     pred, lo, hi = predict(n, loss, n_target)
+    spread = (f"leave-one-out range {lo:.4f} .. {hi:.4f}" if len(rungs) > 3 else
+              "no leave-one-out range: it needs 4 or more rungs")
     lines = ["| rung | dim x n_layers | parameters (non-embedding) | steps | final val_loss | fit |", "|---|---|---|---|---|---|"]
     for r in rungs:
         lines.append(f"| {r.name} | {r.args.dim} x {r.args.n_layers} | {r.n_params:,} | {r.steps} | "
                      f"{r.val_loss:.4f} | {e + a * r.n_params ** -alpha:.4f} |")
     lines += ["", f"Fit: L(N) = {e:.4f} + {a:.4g} N^-{alpha:.4f}.",
               f"Target {target.dim} x {target.n_layers} ({n_target:,} parameters): predicted val_loss {pred:.4f} "
-              f"(leave-one-out range {lo:.4f} .. {hi:.4f})."]
+              f"({spread})."]
     for c in checks:
         p, clo, chi = predict(n, loss, c.n_params)
         lines.append(f"Check {c.name} ({c.n_params:,} parameters, not in the fit): predicted {p:.4f} (range "
@@ -227,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         rungs = plan(cfg, sizes, a.tokens_per_param, a.ladder_dir)
         checks = plan(cfg, [s for s in a.check.split(",") if s], a.tokens_per_param, a.ladder_dir)
         launcher = shlex.split(a.launcher)
+        check_inputs(rungs + checks, launcher, a.ladder_dir)
         for r in rungs + checks:
             r.val_loss = train(r, cfg, rest, launcher, a.script)
         print("\n".join(write_report(rungs, checks, cfg.model, a.ladder_dir)), flush=True)

@@ -67,9 +67,10 @@ def check(args) -> None:
                              "completep; set --model.parametrization mup (or completep), or drop them")
         return
     if not 0 < args.base_dim <= args.dim or args.dim % args.base_dim:
+        examples = [d for d in range(args.dim // 8, args.dim + 1) if d > 0 and args.dim % d == 0][:3]
         raise ValueError(f"model.parametrization {p} needs model.base_dim, the proxy width the hyperparameters were "
-                         f"tuned at: a divisor of model.dim ({args.dim}) in 1..{args.dim} (e.g. 64, 128, 256), "
-                         f"got {args.base_dim}")
+                         f"tuned at: a divisor of model.dim ({args.dim}) in 1..{args.dim} (e.g. "
+                         f"{', '.join(map(str, examples))}), got {args.base_dim}")
     if p == "completep" and not 0 < args.base_n_layers <= args.n_layers:
         raise ValueError(f"model.parametrization completep needs model.base_n_layers, the proxy depth the "
                          f"hyperparameters were tuned at, in 1..model.n_layers ({args.n_layers}), got "

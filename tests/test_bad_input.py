@@ -77,7 +77,8 @@ PRE_GROUP = [
     (["--train.spike_window", "1"], "train.spike_window must be >= 2 steps"),
     (["--model.parametrization", "mu"], "model.parametrization must be one of sp, mup, completep, got 'mu'"),
     (["--model.parametrization", "mup", "--model.base_dim", "256"], "a divisor of model.dim (128) in 1..128"),
-    (["--model.parametrization", "mup", "--model.base_dim", "48"], "a divisor of model.dim (128) in 1..128 (e.g. 64"),
+    (["--model.parametrization", "mup", "--model.base_dim", "48"], "a divisor of model.dim (128) in 1..128 (e.g. 16, "
+                                                                   "32, 64), got 48"),
     (["--model.parametrization", "completep", "--model.base_dim", "64"], "completep needs model.base_n_layers"),
     (["--model.base_dim", "64"], "model.base_dim and model.base_n_layers apply only under model.parametrization mup"),
 ]

@@ -42,11 +42,21 @@ def test_rungs_keep_the_targets_head_dim_ratios_and_tokens_per_parameter(tmp_pat
     ([*TARGET, "--rungs", "32x2,48x2,64x2"], "ladder size 48x2: width must be a multiple of the target's head_dim"),
     ([*TARGET, "--rungs", "32x2,64x2,big"], "ladder size 'big' is not WIDTHxDEPTH"),
     ([*TARGET, "--model.base_dim", "64", "--rungs", "32x2,64x2,128x2"], "ladder size 32x2: model.parametrization"),
+    ([*TARGET, "--rungs", "32x2,64x2,96x2", "--check", "64x2"], "ladder size 64x2 is given twice"),
+    ([*TARGET, "--rungs", "32x2,64x2,96x2", "--tokens_per_param", "inf"], "--tokens_per_param must be a finite"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys, argv, msg):
     rc = ladder.main([*argv, "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
+    assert not os.path.exists(tmp_path / "l")
+
+
+def test_a_launcher_that_is_not_a_command_is_refused_before_any_rung(tmp_path, capsys):
+    rc = ladder.main([*TARGET, "--rungs", "32x2,64x2,96x2", "--ladder_dir", str(tmp_path / "l"),
+                      "--launcher", "/nonexistent/torchrun"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and "/nonexistent/torchrun is not a command here" in err[0], err
     assert not os.path.exists(tmp_path / "l")
 
 

@@ -104,13 +104,22 @@ def loss_description(cfg: Config, mesh: DeviceMesh) -> str:
     return f"{'document-masked' if cfg.model.document_mask else 'causal'} attention, loss {loss}"
 
 
+def parametrization_note(cfg) -> str:
+    """' (mup, base_dim 64)' for the start line under mup/completep; '' under sp."""
+    m = cfg.model
+    if m.parametrization == "sp":
+        return ""
+    depth = f", base_n_layers {m.base_n_layers}" if m.parametrization == "completep" else ""
+    return f" ({m.parametrization}, base_dim {m.base_dim}{depth})"
+
+
 def start_line(s: Session, fpt: float) -> str:
     """The one line a run prints when it starts: layout, model, corpus, attention and loss, where it starts from."""
     cfg, mesh = s.cfg, s.mesh
     start = (f"resumed from {s.resumed_from} at step {s.train_state.step}" if s.resumed_from else
              f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start")
     return (f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {s.device.type} {cfg.train.dtype} | "
-            f"params {num_params(cfg.model) / 1e6:.2f}M | {fpt / 1e6:.1f} MFLOP/token | "
+            f"params {num_params(cfg.model) / 1e6:.2f}M{parametrization_note(cfg)} | {fpt / 1e6:.1f} MFLOP/token | "
             f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
             f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
             + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))
