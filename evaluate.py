@@ -44,7 +44,7 @@ from config import compute_dtype, load_run, parse_config
 from core import cli
 from core.cli import ArgumentParser, number
 from core.errors import SetupError, UserError, report
-from data import DataError, PackedCorpus
+from data import PackedCorpus
 from evaluation.downstream import READY, TaskConfig, check_tasks, evaluate_tasks, load_tasks
 from evaluation.validation import loss_sum_and_count, val_set
 from parallel import distributed
@@ -79,14 +79,14 @@ def split_windows(corpus: PackedCorpus, split: str, max_sequences: int = 0, sour
 
 def prepared_data(cfg, run_cfg, run_dir: str, tokenizer: str) -> str:
     """Folder of the tokens to evaluate (run on rank 0): the run's own prepared corpus when the
-    source is the run's, else run_dir/eval_data/<hash of the source> tokenized with the run's tokenizer.
+    source is the run's and its tokens are there, else run_dir/eval_data/<hash of the source>
+    tokenized with the run's tokenizer (the run's own source too, when its tokens were removed).
 
-    Raises DataError when the run's corpus is missing or the other source cannot be read.
+    Raises DataError when the source cannot be read.
     """
-    if cfg.data.prepared_settings() == run_cfg.data.prepared_settings():
-        own = RunDir(run_dir).data
-        if not os.path.isfile(os.path.join(own, "meta.json")):
-            raise DataError(f"'{own}' holds no prepared corpus (meta.json); pass --data.dataset")
+    own = RunDir(run_dir).data
+    if cfg.data.prepared_settings() == run_cfg.data.prepared_settings() and os.path.isfile(
+            os.path.join(own, "meta.json")):
         return own
     data_cfg = dataclasses.replace(cfg.data, tokenizer=tokenizer)
     digest = hashlib.sha1(json.dumps(data_cfg.prepared_settings(), sort_keys=True).encode()).hexdigest()[:12]

@@ -3,6 +3,7 @@ exits with status 2, and leaves an existing run directory exactly as it was."""
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -11,7 +12,7 @@ import checkpoint as ckpt_lib
 import data
 import train_fsdp
 from data_pipeline import sources, tokenizer
-from launch import DEBUG, debug_run, metrics, prepared_data_dir
+from launch import DEBUG, debug_run, losses, metrics, prepared_data_dir
 from parallel import distributed
 from storage.rundir import lock_run_dir
 
@@ -248,23 +249,22 @@ def test_changed_data_settings_on_an_existing_run_are_refused(existing_run):
 
 @pytest.mark.slow
 def test_nonfinite_gradient_stops_without_touching_the_last_checkpoint(tmp_path):
-    rd = tmp_path / "nan"
-    prepared_data_dir(rd)
-    proc = debug_run(2, rd, "--train.steps", "6", "--optim.lr", "1e30", "--optim.warmup_steps", "0",
-                     "--checkpoint.interval", "1", check=False, timeout=120)
+    """The stop keeps checkpoint 1; its remedy, the same command with --train.nonfinite skip, resumes from it and
+    gives a fresh run with that flag from the start: the same losses and skipped steps."""
+    rd, ref = tmp_path / "nan", tmp_path / "ref"
+    bad = ["--train.steps", "6", "--optim.lr", "1e30", "--optim.warmup_steps", "0", "--checkpoint.interval", "1"]
+    for d in (rd, ref):
+        prepared_data_dir(d)
+    proc = debug_run(2, rd, *bad, check=False, timeout=120)
     err = _errors(proc.stderr)
     assert proc.returncode != 0 and err and "step 2: gradient norm is nan" in err[0], proc.stderr[-2000:]
-    assert sorted(os.listdir(rd / "checkpoints")) == ["step_00000001"]
-
-
-@pytest.mark.slow
-def test_nonfinite_gradient_can_be_skipped(tmp_path):
-    rd = tmp_path / "skip"
-    prepared_data_dir(rd)
-    debug_run(1, rd, "--train.steps", "3", "--optim.lr", "1e30", "--optim.warmup_steps", "0",
-              "--train.nonfinite", "skip", "--checkpoint.interval", "1000")
-    recs = [r for r in metrics(rd) if "loss" in r]
-    assert [r["step"] for r in recs] == [1, 2, 3] and recs[-1].get("skipped") is True
+    assert "pass --train.nonfinite skip" in err[0] and sorted(os.listdir(rd / "checkpoints")) == ["step_00000001"]
+    debug_run(2, rd, *bad, "--train.nonfinite", "skip")
+    debug_run(2, ref, *bad, "--train.nonfinite", "skip")
+    got, want = ([(r["step"], r["loss"], r.get("skipped", False)) for r in metrics(d) if "loss" in r]
+                 for d in (rd, ref))
+    assert [s for s, _, _ in got] == list(range(1, 7)) and [k for _, _, k in got] == [False] + [True] * 5
+    assert all(s == t and k == j and abs(a - b) <= 1e-6 * b for (s, a, k), (t, b, j) in zip(got, want))
 
 
 @pytest.mark.slow
@@ -345,3 +345,15 @@ def test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused(existi
     assert f"checkpoint.dir {new} holds no checkpoint, but run directory {existing_run} has its checkpoints in " \
            f"{existing_run}/checkpoints (newest: step" in err and "--checkpoint.load_from" in err, err
     assert {name: digest(name) for name in kept} == kept and not any(new.iterdir() if new.exists() else [])
+    # The remedy as printed, on a copy: the named --checkpoint.load_from continues the run as its own resume does.
+    run, ref = tmp_path / "copy", tmp_path / "ref"
+    for d in (run, ref):
+        shutil.copytree(existing_run, d)
+    _, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(run), "--checkpoint.dir", str(new))
+    named = re.search(r"pass --checkpoint\.load_from (\S+?),? ", err).group(1)
+    assert named.startswith(str(run / "checkpoints")), err
+    more = ["--train.steps", "4", "--checkpoint.interval", "1"]
+    debug_run(1, run, "--checkpoint.dir", str(new), "--checkpoint.load_from", named, *more)
+    debug_run(1, ref, *more)
+    got, want = losses(run), losses(ref)
+    assert sorted(got) == [1, 2, 3, 4] and all(abs(got[k] - want[k]) <= 1e-6 * want[k] for k in want)

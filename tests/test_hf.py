@@ -265,3 +265,27 @@ def test_bad_input_gives_one_line_errors(tmp_path, tmp_path_factory, tok_path, c
         sd = Transformer(args).state_dict()
         del sd["output.weight"]
         hf.save_hf(sd, args, tok_path, str(tmp_path / "partial"))
+
+
+@pytest.mark.slow
+def test_an_empty_split_is_refused_and_split_all_evaluates(tmp_path_factory, tmp_path):
+    """'use --split all' as printed evaluates every window; a run whose tokens were removed is tokenized again."""
+    run = debug_run_dir(tmp_path_factory)
+
+    def evaluate(run_dir, *args, check=True):
+        proc = torchrun(1, "evaluate.py", "--run_dir", run_dir, *args, timeout=180, check=check)
+        return proc if not check else json.loads(proc.stdout.strip().splitlines()[-1])
+
+    refused = evaluate(run, "--split", "val", "--data.val_fraction", "0", check=False)
+    assert refused.returncode != 0 and "use --split all or raise --data.val_fraction" in refused.stderr
+    got = evaluate(run, "--split", "all", "--data.val_fraction", "0")
+    want = evaluate(run, "--split", "all")
+    assert got["tokens"] == want["tokens"] and abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"]
+    bare = tmp_path / "no_tokens"
+    shutil.copytree(run, bare, ignore=shutil.ignore_patterns("eval_data"))
+    for name in os.listdir(bare / "data"):
+        if name != "tokenizer.json":
+            p = bare / "data" / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    again = evaluate(str(bare), "--split", "all")
+    assert again["tokens"] == want["tokens"] and abs(again["loss"] - want["loss"]) <= 1e-6 * want["loss"]
