@@ -100,6 +100,13 @@ def check_bf16(device, mesh) -> tuple[bool, str]:
 
 
 def check_flex(device) -> tuple[bool, str]:
+    """FlexAttention against SDPA with the boolean mask, both against SDPA in fp32 on the same inputs.
+
+    fp32: max abs diff to SDPA <= 1e-4. bf16: each output's and gradient's max error against the
+    fp32 reference at most 2x SDPA-in-bf16's own error (+1e-3), the rule flash-attention's tests
+    use: a bf16 kernel is as good as the reference kernel in the same precision, whatever the
+    magnitudes (at seq 2048 dv sums ~2000 products, so a fixed absolute bound says nothing).
+    """
     from model import _flex_attention
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -107,22 +114,38 @@ def check_flex(device) -> tuple[bool, str]:
     starts = torch.zeros(b, t, dtype=torch.bool, device=device)
     starts[:, torch.tensor([0, 300, 700, 1200, 1900])] = True
     doc = starts.long().cumsum(1)
-    figures, ok = [], True
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        q = torch.randn(b, h, t, d, device=device, generator=gen, dtype=dtype, requires_grad=True)
-        k = torch.randn(b, kv, t, d, device=device, generator=gen, dtype=dtype, requires_grad=True)
-        v = torch.randn(b, kv, t, d, device=device, generator=gen, dtype=dtype, requires_grad=True)
-        grad = torch.randn(b, h, t, d, device=device, generator=gen, dtype=dtype)
-        out_flex = _flex_attention()(q, k, v, block_mask=block_mask(doc), enable_gqa=True)
-        g_flex = torch.autograd.grad(out_flex, (q, k, v), grad)
-        rep = h // kv
-        out_ref = torch.nn.functional.scaled_dot_product_attention(
+    rep = h // kv
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
             q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=block_causal_mask(doc))
-        g_ref = torch.autograd.grad(out_ref, (q, k, v), grad)
-        diffs = [(a.float() - r.float()).abs().max().item() for a, r in zip((out_flex, *g_flex), (out_ref, *g_ref))]
-        ok &= max(diffs) <= tol
-        figures.append(f"{str(dtype)[6:]}: max abs diff out {diffs[0]:.1e}, dq {diffs[1]:.1e}, dk {diffs[2]:.1e}, "
-                       f"dv {diffs[3]:.1e} (need <= {tol:g})")
+
+    def out_and_grads(fn, inputs, grad):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, grad)]
+
+    figures, ok = [], True
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(b, h, t, d, device=device, generator=gen)
+        k, v = (torch.randn(b, kv, t, d, device=device, generator=gen) for _ in range(2))
+        grad = torch.randn(b, h, t, d, device=device, generator=gen)
+        flex = out_and_grads(lambda q, k, v: _flex_attention()(q, k, v, block_mask=block_mask(doc), enable_gqa=True),
+                             [x.to(dtype) for x in (q, k, v)], grad.to(dtype))
+        ref = out_and_grads(sdpa, [x.to(dtype) for x in (q, k, v)], grad.to(dtype))
+        names = ("out", "dq", "dk", "dv")
+        if dtype == torch.float32:
+            diffs = [(a - r).abs().max().item() for a, r in zip(flex, ref)]
+            ok &= max(diffs) <= 1e-4
+            figures.append("float32 vs SDPA: max abs diff " + ", ".join(f"{n} {x:.1e}" for n, x in zip(names, diffs))
+                           + " (need <= 1e-4)")
+        else:
+            exact = out_and_grads(sdpa, [q, k, v], grad)  # fp32, the same inputs
+            err_flex = [(a.float() - e).abs().max().item() for a, e in zip(flex, exact)]
+            err_sdpa = [(r.float() - e).abs().max().item() for r, e in zip(ref, exact)]
+            ok &= all(f <= 2 * s + 1e-3 for f, s in zip(err_flex, err_sdpa))
+            figures.append("bfloat16 max error vs fp32, flex / SDPA-bf16: " + ", ".join(
+                f"{n} {f:.1e} / {s:.1e}" for n, f, s in zip(names, err_flex, err_sdpa)) + " (need flex <= 2x SDPA)")
     return ok, "; ".join(figures)
 
 
@@ -131,9 +154,10 @@ def check_chunked(device) -> tuple[bool, str]:
     gen = torch.Generator(device=device).manual_seed(0)
     output = torch.nn.Linear(dim, vocab, bias=False, device=device, dtype=torch.bfloat16)
     labels = torch.randint(0, vocab, (2, n), device=device, generator=gen)
+    start = torch.randn(2, n, dim, device=device, dtype=torch.bfloat16, generator=gen)  # one input for both
     results = {}
     for chunk in (0, CHUNK):
-        hidden = torch.randn(2, n, dim, device=device, dtype=torch.bfloat16, generator=gen, requires_grad=True)
+        hidden = start.clone().requires_grad_()
         output.weight.grad = None
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

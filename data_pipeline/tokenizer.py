@@ -71,3 +71,12 @@ def load_tokenizer(path: str):
         raise DataError(f"data.tokenizer: '{path}' has no {EOT} token; the packer needs it as document separator")
     return tok
 
+
+
+def same_tokenizer(a: str, b: str) -> bool:
+    """Whether two tokenizer.json files encode alike: their canonical serialisations (vocabulary, merges,
+    normalizer, pre-tokenizer, special tokens) are equal, whatever their paths or JSON formatting.
+
+    Raises DataError naming a file that is missing or unreadable (as load_tokenizer).
+    """
+    return a == b or load_tokenizer(a).to_str() == load_tokenizer(b).to_str()

@@ -357,3 +357,16 @@ def test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused(existi
     debug_run(1, ref, *more)
     got, want = losses(run), losses(ref)
     assert sorted(got) == [1, 2, 3, 4] and all(abs(got[k] - want[k]) <= 1e-6 * want[k] for k in want)
+
+
+def test_load_from_a_checkpoint_of_another_tokenizer_is_refused(existing_run, big_tokenizer, tmp_path, monkeypatch,
+                                                                 capsys):
+    """This run's tokenizer (data.tokenizer) encodes otherwise than the checkpoint's: one line naming both."""
+    rd = tmp_path / "other_tokenizer"
+    start = str(existing_run / "checkpoints" / "step_00000002")
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(rd), "--checkpoint.load_from", start,
+                               "--data.tokenizer", big_tokenizer)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"was trained with the tokenizer {existing_run}/data/tokenizer.json" in err and big_tokenizer in err, err
+    assert not rd.exists()
+

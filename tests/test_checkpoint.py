@@ -79,6 +79,7 @@ def test_every_piece_of_state_round_trips(tmp_path, single_rank_group, steps):
     _assert_same_state(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parametrization", [
     ("--model.parametrization", "completep", "--model.base_dim", "32", "--model.base_n_layers", "1"),
     ("--model.parametrization", "mup", "--model.base_dim", "32", "--optim.name", "muon"),
@@ -97,6 +98,7 @@ def test_mup_and_completep_state_round_trips_and_the_run_continues_exactly(tmp_p
     _assert_same_state(a, b)
 
 
+@pytest.mark.slow
 def test_async_save_equals_sync_save_even_when_training_goes_on(tmp_path, single_rank_group):
     sync = _session(tmp_path / "sync")
     _steps(sync, 2)
@@ -289,6 +291,7 @@ def test_a_checkpoints_path_that_is_not_a_directory_stops_before_training(tmp_pa
     assert (tmp_path / "checkpoints" / "step_00000006.tmp").read_text() == "x"
 
 
+@pytest.mark.slow
 def test_optimizer_settings_changed_on_resume_are_the_ones_in_force(tmp_path, single_rank_group):
     """optim.lr, weight_decay, beta2 and muon_momentum changed on resume: the groups hold the new values, the LR of
     every later step is the new lr times the same schedule (the reference: the uninterrupted run's LR x 0.5), and the
@@ -353,3 +356,20 @@ def test_ctrl_c_before_the_loop_keeps_what_was_saved_and_the_same_command_resume
     debug_run(2, rd, *REFERENCE_ARGS)  # the same command, as the line says
     want, got = losses(reference), losses(rd)
     assert sorted(got) == list(range(1, 11)) and max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-6
+
+
+@pytest.mark.slow
+def test_load_from_another_run_takes_its_tokenizer(tmp_path, reference):
+    """A new run from another run's checkpoint trains on its data with the checkpoint's tokenizer, not a new one: the
+    same losses as the run given that tokenizer by hand (before: a tokenizer of its own, and other token ids)."""
+    start = str(reference / "checkpoints" / "step_00000004")
+    theirs = str(reference / "data" / "tokenizer.json")
+    other_data = ["--data.max_documents", "60", "--data.tokenizer_vocab_size", "3000", "--train.steps", "6",
+                  "--checkpoint.interval", "1000", "--train.val_interval", "0", "--checkpoint.load_from", start]
+    taken, by_hand = tmp_path / "taken", tmp_path / "by_hand"
+    proc = debug_run(1, taken, *other_data)
+    debug_run(1, by_hand, *other_data, "--data.tokenizer", theirs)
+    assert f"data.tokenizer {theirs}: the tokenizer checkpoint.load_from {start} was trained with" in proc.stdout
+    assert parse_config(["--config", str(taken / "config.toml")]).data.tokenizer == theirs
+    got, want = losses(taken), losses(by_hand)
+    assert sorted(got) == [5, 6] and all(abs(got[s] - want[s]) <= 1e-6 * want[s] for s in want)

@@ -289,3 +289,15 @@ def test_an_empty_split_is_refused_and_split_all_evaluates(tmp_path_factory, tmp
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     again = evaluate(str(bare), "--split", "all")
     assert again["tokens"] == want["tokens"] and abs(again["loss"] - want["loss"]) <= 1e-6 * want["loss"]
+
+
+@pytest.mark.slow
+def test_init_from_hf_into_data_prepared_with_the_same_tokenizer(tmp_path_factory, tmp_path):
+    """data/ prepared without data.tokenizer, with the export's own tokenizer: accepted (before: 'prepared with other
+    data settings'); one step trains from the export's weights."""
+    rd = tmp_path / "continued"
+    prepared_data_dir(rd)  # the debug corpus, tokenized with the tokenizer the exported run used
+    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(rd), "--init_from_hf",
+                    exported_dir(tmp_path_factory), "--train.steps", "1", "--checkpoint.interval", "1000")
+    assert f"weights from {exported_dir(tmp_path_factory)}" in proc.stdout
+    assert parse_config(["--config", str(rd / "config.toml")]).data.tokenizer == ""

@@ -18,6 +18,7 @@ from parallel import distributed
 from parallel.parallelize import TPPlan, shard_group_note
 from storage.rundir import lock_run_dir
 from training.loop import exit_status, train
+from training.resume import checkpoint_tokenizer, source_tokenizer
 from training.session import build
 
 
@@ -26,20 +27,27 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
     """Every check that needs no collective, in the order a user can fix them; raises a UserError.
 
     check_layout(cfg, world_size): the TP plan's own layout checks (train_2d.py), run first.
-    With init_from_hf, data.tokenizer defaults to the folder's tokenizer.json.
+    A new start from other weights (init_from_hf, checkpoint.load_from) takes their tokenizer, or is
+    refused when this run's differs (resume.source_tokenizer).
     """
     if tp_plan is None and cfg.parallel.tp != 1:
         raise SetupError(f"parallel.tp is {cfg.parallel.tp}: tensor parallelism runs with train_2d.py")
     if check_layout is not None:
         check_layout(cfg, world_size)
+    source = None  # (what the weights of a new start are, the tokenizer they were trained with)
     if cfg.init_from_hf:
-
         require("safetensors", "hf", "--init_from_hf")
         try:
             hf.check_args(cfg.init_from_hf, cfg.model)
-            cfg.data.tokenizer = cfg.data.tokenizer or hf.tokenizer_path(cfg.init_from_hf)
+            source = (f"--init_from_hf {cfg.init_from_hf}", hf.tokenizer_path(cfg.init_from_hf))
         except hf.HFError as e:
             raise SetupError(f"--init_from_hf: {e}") from None
+    elif cfg.checkpoint.load_from:
+        source = (f"checkpoint.load_from {cfg.checkpoint.load_from}", checkpoint_tokenizer(cfg.checkpoint.load_from))
+    if source and source[1] and not has_own_checkpoints(cfg):
+        note = source_tokenizer(cfg, *source)
+        if note and int(os.environ.get("RANK", 0)) == 0:
+            print(f"[train] {note}", flush=True)
     validate(cfg, world_size)
     note = shard_group_note(cfg.parallel, world_size, distributed.local_world_size())
     if note and int(os.environ.get("RANK", 0)) == 0:
@@ -50,6 +58,14 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
             and int(os.environ.get("RANK", 0)) == 0:
         print("[train] notice: train.dtype bfloat16 on a CPU without native bf16 matmuls (no avx512_bf16 or "
               "amx_bf16): expect it 3-8x slower than --train.dtype float32", flush=True)
+
+
+def has_own_checkpoints(cfg: Config) -> bool:
+    """Whether the run resumes from checkpoints of its own (then checkpoint.load_from and init_from_hf are not used)."""
+    try:
+        return bool(complete_checkpoints(cfg.checkpoint.root(cfg.run_dir)))
+    except Exception:  # a store this check cannot reach: the start's own checks name it
+        return False
 
 
 def peer_message(cfg: Config, where: str, rank: int, why: str) -> str:

@@ -19,7 +19,9 @@ import torch
 
 from checkpoint import CheckpointConfig, Checkpointer, CheckpointError, check_compatible, complete_checkpoints
 from config import Config
+from core.errors import SetupError
 from data import mixture_note
+from data_pipeline.tokenizer import same_tokenizer
 from model import Transformer
 from storage import fs
 from storage.rundir import CONFIG_FILE, RunDir
@@ -29,14 +31,14 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     """(checkpoint to resume from or None, the start-up line's note of what changed) on rank 0.
 
     Removes what a crash left first (Checkpointer.clean_partial). Raises CheckpointError when the
-    checkpoint does not fit this model, data cursor, seed or optimizer.
+    checkpoint does not fit this model, data cursor, seed or optimizer. Writes nothing else: the
+    owner record of an explicit checkpoint.dir is claim_checkpoint_dir's, once the data is ready.
     """
-    claim = check_owner(cfg, ckpt.root)  # before clean_partial: another run's unfinished step is not ours to remove
+    check_owner(cfg, ckpt.root)  # before clean_partial: another run's unfinished step is not ours to remove
     ckpt.clean_partial()
     path = ckpt.resume_path()
     if path is None:
         check_not_moved(cfg, ckpt.root)
-        claim()
         return None, ""
     saved = saved_config(path)  # read once: on a store every read is a request
     if saved.get("model"):  # saved before model.parametrization existed: it was sp
@@ -55,8 +57,12 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
         [f"train.global_batch_size {batch} -> {cfg.train.global_batch_size} (the data position is kept, in samples)"]
     notes += changed(saved, "optim", dataclasses.asdict(cfg.optim))
     notes.append(mixture_note(saved.get("data", {}), cfg.data))
-    claim()
     return path, "; ".join(n for n in notes if n)
+
+
+def claim_checkpoint_dir(cfg: Config, root: str) -> None:
+    """Write the owner record of an explicit checkpoint.dir if it has none (rank 0; check_owner's claim)."""
+    check_owner(cfg, root)()
 
 
 OWNER_FILE = "owner.json"
@@ -176,3 +182,47 @@ def check_same_config(path: str, saved: dict, section: str, current: dict) -> No
             f"checkpoint '{path}' was saved with other settings ({'; '.join(diffs)}); "
             f"use the settings it was trained with, or another run directory"
         )
+
+
+def source_tokenizer(cfg: Config, source: str, source_tokenizer_path: str) -> str:
+    """Give a new start from another run's weights the tokenizer those weights were trained with.
+
+    Called on every rank before any collective (check_run). source names the weights
+    ('checkpoint.load_from P' or 'init_from_hf F'); source_tokenizer_path is their tokenizer.json.
+    Token ids mean nothing under another tokenizer, so: a run with no tokenizer of its own yet
+    (no data.tokenizer, no prepared data/) takes the source's as data.tokenizer; a run whose
+    tokenizer is fixed (data.tokenizer, or data/ prepared without it) keeps it when it encodes as
+    the source's, and is refused (SetupError naming both) when not. Returns the start-up note
+    ('' when nothing changed).
+    """
+    own = cfg.data.tokenizer or (RunDir(cfg.run_dir).tokenizer if not cfg.data.prepared else "")
+    if own and os.path.isfile(own) or cfg.data.tokenizer:
+        if not same_tokenizer(own, source_tokenizer_path):
+            where = "data.tokenizer" if cfg.data.tokenizer else "the tokenizer of its prepared data"
+            raise SetupError(f"{source} was trained with the tokenizer {source_tokenizer_path}, but this run's "
+                             f"({where}) is {own}, which encodes text otherwise: the weights' token ids would mean "
+                             f"other tokens; start in a new --run_dir without data.tokenizer (it takes the source's), "
+                             f"or use the source's tokenizer")
+        return ""
+    if cfg.data.prepared:
+        return ""
+    cfg.data.tokenizer = source_tokenizer_path
+    return f"data.tokenizer {source_tokenizer_path}: the tokenizer {source} was trained with"
+
+
+def checkpoint_tokenizer(path: str) -> str:
+    """The tokenizer.json a local checkpoint was trained with ('' when it cannot be found; URLs are not searched).
+
+    In order: the checkpoint's own tokenizer.json, its config.toml's data.tokenizer, the
+    tokenizer of its run directory's data/ (its config.toml's run_dir, or the folder above its
+    checkpoints/).
+    """
+    if fs.is_url(path):
+        return ""
+    saved = saved_config(path)
+    run_dirs = [saved.get("run_dir", ""), os.path.dirname(os.path.dirname(os.path.abspath(path)))]
+    for candidate in (os.path.join(path, "tokenizer.json"), saved.get("data", {}).get("tokenizer", ""),
+                      *(RunDir(r).tokenizer for r in run_dirs if r and not fs.is_url(r))):
+        if candidate and os.path.isfile(candidate):
+            return candidate
+    return ""

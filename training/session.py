@@ -27,7 +27,7 @@ from parallel import distributed
 from parallel.parallelize import TPPlan, build_mesh, copy_sharded, dp_mesh
 from prepare import prepare_on_all_ranks
 from storage.rundir import RunDir
-from training.resume import resume_point
+from training.resume import claim_checkpoint_dir, resume_point
 from training.step import Trainable, build_trainable
 
 
@@ -60,6 +60,11 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     dp = data_parallel.size()
     torch.manual_seed(cfg.train.seed)
 
+    ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.root(cfg.run_dir), rank, cli.to_toml(cfg))
+    # Where the run starts from, checked against this config before the data is prepared: a checkpoint
+    # that cannot continue under it is refused before minutes of tokenizing.
+    path, note = distributed.on_rank0(lambda: resume_point(cfg, ckpt), rank) if resume else (None, "")
+
     # Data: all ranks tokenize their share of the corpus into the run directory, or each node
     # copies a published one (data.prepared) into its cache; then every rank maps it.
     data_dir = RunDir(cfg.run_dir).data
@@ -71,6 +76,8 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     except UserError as e:
         raise SetupError(str(e)) from None
     check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"])
+    if resume:
+        distributed.on_rank0(lambda: claim_checkpoint_dir(cfg, ckpt.root), rank)
     corpus = PackedCorpus(data_dir, cfg.data)
     micro = cfg.train.micro_batch(dp)
     data_state = DataState()
@@ -79,10 +86,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
                                cfg.train.batch_schedule()[1:], cfg.train.skip_ranges())
 
     tr = build_trainable(cfg, rank, mesh, device, tp_plan)
-    ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.root(cfg.run_dir), rank, cli.to_toml(cfg))
     app = AppState(tr.model, tr.optimizer, tr.scheduler, tr.train_state, data_state, rank)
-
-    path, note = distributed.on_rank0(lambda: resume_point(cfg, ckpt), rank) if resume else (None, "")
     tasks = distributed.on_rank0(lambda: load_tasks(cfg.eval, meta["tokenizer"], cfg.model.max_seq_len),
                                  rank) if cfg.eval.tasks else []
     if path is not None:
