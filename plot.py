@@ -97,14 +97,17 @@ def marks(train: list[dict], rollbacks: list[dict]) -> dict[str, list[tuple]]:
 
     {"rollback": [(tokens seen, step, text)]}: each rollback at the step it went back to (that
     step's tokens_seen; 0 at step 0; from the run's tokens per step when that step was not logged),
-    text 'skip a-b' (the data steps it skipped). {"skipped": [(tokens seen, loss, step)]}: each
+    text 'skip a-b' (the data steps it skipped; 'skip a-b, c-d' for two rollbacks to one step). {"skipped": [(tokens seen, loss, step)]}: each
     update the spike guard skipped ("skipped" in its record), at its loss, or at the last finite
     loss before it when that is not finite (None when there is none).
     """
     by_step = {r["step"]: r for r in train}
     per_step = train[-1]["tokens_seen"] / train[-1]["step"] if train else 0.0
-    backs = [(by_step[c]["tokens_seen"] if c in by_step else c * per_step, c, f"skip {a}-{b}")
-             for r in rollbacks for c, (a, b) in [(r["to_step"], r["skip"])]]
+    skips: dict[int, list[str]] = {}  # rollbacks to one step share a mark
+    for r in rollbacks:
+        skips.setdefault(r["to_step"], []).append("{}-{}".format(*r["skip"]))
+    backs = [(by_step[c]["tokens_seen"] if c in by_step else c * per_step, c, "skip " + ", ".join(texts))
+             for c, texts in skips.items()]
     skipped, last = [], None
     for r in train:
         finite = math.isfinite(r["loss"])

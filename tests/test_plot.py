@@ -12,7 +12,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, seed=0.0, tasks=(), events=False):
     """A metrics.jsonl like the trainer's: n_train train records, a validation record at each of val_steps; events:
-    updates skipped at steps 5 (NaN loss) and 7, and rollbacks (step 14 back to 10, step 25 back to 0) as the
+    updates skipped at steps 5 (NaN loss) and 7, and rollbacks (steps 14 and 12 back to 10, step 25 back to 0) as the
     trainer leaves them (the train records of the steps trained again are the later ones)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
@@ -34,6 +34,7 @@ def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, see
             if r.get("step") in (5, 7) and "loss" in r:
                 r.update(skipped=True, skip_reason="spike", loss=r["loss"] if r["step"] == 7 else math.nan)
         lines.insert(15, {"step": 14, "rollback": {"to_step": 10, "skip": [11, 14], "trigger": "2 outliers in a row"}})
+        lines.insert(16, {"step": 12, "rollback": {"to_step": 10, "skip": [15, 16], "trigger": "2 outliers in a row"}})
         lines.append({"step": 25, "rollback": {"to_step": 0, "skip": [1, 25], "trigger": "non-finite gradient norm"}})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return run_dir
@@ -55,9 +56,11 @@ def test_rollbacks_and_skipped_updates_are_marked_where_they_happened(tmp_path):
     path = str(_write_run(tmp_path / "a", events=True) / "metrics.jsonl")
     train, _ = plot.read_metrics(path)
     rollbacks = plot.read_rollbacks(path)
-    assert [(r["step"], r["to_step"], r["skip"]) for r in rollbacks] == [(14, 10, [11, 14]), (25, 0, [1, 25])]
+    assert [(r["step"], r["to_step"], r["skip"]) for r in rollbacks] == [(14, 10, [11, 14]), (12, 10, [15, 16]),
+                                                                         (25, 0, [1, 25])]
     m = plot.marks(train, rollbacks)
-    assert m["rollback"] == [(20480, 10, "skip 11-14"), (0, 0, "skip 1-25")]  # step 10's tokens_seen; step 0: 0
+    # At step 10's tokens_seen (one mark for its two rollbacks), and at 0 for step 0.
+    assert m["rollback"] == [(20480, 10, "skip 11-14, 15-16"), (0, 0, "skip 1-25")]
     # Step 5's loss is NaN: its x sits on step 4's loss; step 7's on its own.
     assert m["skipped"] == [(10240, train[3]["loss"], 5), (14336, train[6]["loss"], 7)]
     assert plot.marks(train, []) == {"rollback": [], "skipped": m["skipped"]}
