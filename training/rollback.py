@@ -27,7 +27,7 @@ n rollbacks, also when a resume loads a checkpoint saved after them).
 from __future__ import annotations
 
 from checkpoint import complete_checkpoints, set_aside
-from core.errors import TrainingError, one_line
+from core.errors import TrainingError, UserError, one_line
 from data_pipeline.loader import merge_ranges
 from observability.metrics import MetricsLog
 from observability.progress import Progress
@@ -127,7 +127,7 @@ def _set_aside(root: str, after: int, step: int) -> tuple[list[int], str, str]:
     """checkpoint.set_aside, its failure as text: (steps moved, folder, '' or why it failed)."""
     try:
         return (*set_aside(root, after, step), "")
-    except OSError as e:
+    except (OSError, UserError) as e:  # the stop's line must still reach every rank, naming what to move by hand
         return [], "", one_line(e)
 
 
