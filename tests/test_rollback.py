@@ -188,7 +188,7 @@ def test_a_spent_budget_names_the_checkpoint_the_next_run_resumes_from(tmp_path)
     aside = os.path.join(root, "diverged_at_step_16")
     assert line.startswith("error: step 16: 2 outliers in a row"), line
     assert ("data steps skipped: 4-8 by rollbacks, none by [[train.skip]]; the next run resumes from the newest good "
-            f"checkpoint, {root}/step_00000012 (step 12): its newer checkpoints (steps 15) were moved to {aside}; add "
+            f"checkpoint, {root}/step_00000012 (step 12): the checkpoints after step 12 (step 15) were moved to {aside}; add "
             "[[train.skip]] start_step = 4, end_step = 8 (a rollback's skip) and [[train.skip]] start_step = 20, "
             "end_step = 21 (the batches of steps 15-16) to the --config file") in line, line
     assert [c for c, _ in complete_checkpoints(root)] == [3, 6, 9, 12]
@@ -207,8 +207,8 @@ def test_a_divergence_before_the_first_usable_checkpoint_stops_and_the_next_run_
     root = str(rd / "checkpoints")
     assert line.startswith("error: step 6: 2 outliers in a row"), line
     assert (f"no checkpoint in {root} is from step 3 or before (the first outlier, step 5, minus "
-            f"train.rollback_margin) to roll back to: the next run starts from step 0; its newer checkpoints (steps "
-            f"5) were moved to {root}/diverged_at_step_6; add [[train.skip]] start_step = 5, end_step = 6 (the "
+            f"train.rollback_margin) to roll back to: the next run starts from step 0; the run's checkpoints (step 5) "
+            f"were moved to {root}/diverged_at_step_6; add [[train.skip]] start_step = 5, end_step = 6 (the "
             f"batches of steps 5-6) to the --config file and run the same command") in line, line
     assert complete_checkpoints(root) == []
     tables = _apply_remedy(tmp_path, rd, line, argv, env, steps)

@@ -84,12 +84,12 @@ class Rollback:
         moved, folder, failed = distributed.on_rank0(lambda: _set_aside(s.ckpt.root, after, d.step), s.rank)
         bad = s.loader.drawn(d.step - d.first + 1)
         fix = f"add {_tables(s.loader, (bad[0], bad[-1]), d)} to the --config file and run the same command"
+        which = "the run's checkpoints" if target is None else f"the checkpoints after step {after}"
         if moved:
-            steps = ", ".join(map(str, moved))
-            fix = f"its newer checkpoints (steps {steps}) were moved to {folder}; {fix}"
+            steps = ("steps " if len(moved) > 1 else "step ") + ", ".join(map(str, moved))
+            fix = f"{which} ({steps}) were moved to {folder}; {fix}"
         elif failed:
-            fix = (f"its newer checkpoints could not be moved away ({failed}): move them out of {s.ckpt.root} by "
-                   f"hand first; {fix}")
+            fix = f"{which} could not be moved away ({failed}): move them out of {s.ckpt.root} by hand first; {fix}"
         if target is None:
             start = "from checkpoint.load_from again" if s.cfg.checkpoint.load_from else "from step 0"
             where = (f"no checkpoint in {s.ckpt.root} is from step {d.first - t.rollback_margin} or before (the "
