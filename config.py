@@ -58,9 +58,9 @@ MAX_SKIP = 1_000_000
 class SkipRange:
     """One [[train.skip]] table: batches of the data that no step trains on (PaLM's remedy for a loss spike)."""
 
-    start_step: int = 0
+    start_step: int
     """The first batch skipped, numbered as the step that trains on it in a run without skips (1-based)."""
-    end_step: int = 0
+    end_step: int
     """The last batch skipped (>= start_step): the step after the range trains on batch end_step + 1."""
 
 
@@ -103,7 +103,7 @@ class TrainConfig:
     spike_window: int = 128
     """Spike guard: steps in the running window; the guard acts once the window is full, and the window is saved in checkpoints."""
     skip: list[SkipRange] = dataclasses.field(default_factory=list)
-    """[[train.skip]] tables (start_step, end_step): the loader draws no samples for those batches, numbered by the data's own steps (the batches a run without skips trains on); data stages and batch stages follow the data. Megatron's --iterations-to-skip, exact at every world size."""
+    """[[train.skip]] tables (start_step, end_step): the loader draws no samples for those batches, numbered by the data's own steps (the batches a run without skips trains on); data stages and batch stages follow the data; overlapping tables skip their union. Megatron's --iterations-to-skip, exact at every world size."""
     rollback: int = 0
     """Automatic rollbacks the run may make (0: off): on a non-finite loss or gradient norm, or train.rollback_after consecutive outliers of the spike rule, every rank reloads the newest checkpoint at least train.rollback_margin steps before the first outlier and skips the data from there to the divergent step (training/rollback.py)."""
     rollback_after: int = 2
@@ -151,8 +151,9 @@ class TrainConfig:
         parse_steps(self.profile_steps)
 
     def _check_rollback(self) -> None:
-        last = 0
-        for i, r in sorted(enumerate(self.skip), key=lambda ir: ir[1].start_step):
+        # Tables may overlap or nest: the union is skipped, so every rollback record pasted as a table (a later one
+        # may contain an earlier one) gives the same run (docs/rollback.md).
+        for i, r in enumerate(self.skip):
             where = f"train.skip[{i}]"
             if r.start_step < 1 or r.end_step < r.start_step:
                 raise ConfigError(f"{where}: start_step ({r.start_step}) must be >= 1 and end_step ({r.end_step}) "
@@ -160,10 +161,6 @@ class TrainConfig:
             if r.end_step - r.start_step >= MAX_SKIP:
                 raise ConfigError(f"{where}: {r.end_step - r.start_step + 1:,} batches skipped; at most {MAX_SKIP:,} "
                                   f"a table (a mixture moves past them batch by batch); check end_step")
-            if r.start_step <= last:
-                raise ConfigError(f"{where} ({r.start_step}-{r.end_step}) overlaps another [[train.skip]] range "
-                                  f"that ends at {last}; merge them into one table")
-            last = r.end_step
         if self.rollback < 0:
             raise ConfigError(f"train.rollback must be >= 0 (0: off), got {self.rollback}")
         if self.rollback and self.rollback_after < 1:
@@ -178,7 +175,7 @@ class TrainConfig:
                               f"of the first outlier's step already holds that outlier")
 
     def skip_ranges(self) -> list[tuple[int, int]]:
-        """The [[train.skip]] ranges as [(start_step, end_step)], in order."""
+        """The [[train.skip]] ranges as [(start_step, end_step)], in order (overlapping ones as given: the loader merges)."""
         return sorted((r.start_step, r.end_step) for r in self.skip)
 
     def batch_schedule(self) -> list[tuple[int, int]]:

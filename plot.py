@@ -5,8 +5,10 @@
 Four panels: train and validation loss against tokens seen (any "val_loss/<name>" key as an extra
 dashed line), learning rate, tokens/s and MFU against step; one colour per run. Runs with
 downstream tasks (eval/<task>/acc and acc_norm records) get two more: acc and acc_norm
-against tokens seen, one marker per task. matplotlib is imported only when drawing, so
-`import plot` and read_metrics work without it.
+against tokens seen, one marker per task. A rollback (train.rollback) is a dotted line at the
+step it went back to, on the loss and LR panels, labelled with the data steps it skipped; an
+update the spike guard skipped is an x on the loss curve. matplotlib is imported only when
+drawing, so `import plot`, read_metrics and marks work without it.
 """
 from __future__ import annotations
 
@@ -73,6 +75,48 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     return train_list, val_list
 
 
+def read_rollbacks(path: str) -> list[dict]:
+    """The rollback records of a metrics.jsonl, {"step": S, "rollback": {"to_step": C, "skip": [a, b], ...}}, as
+    [{"step": S, "to_step": C, "skip": [a, b]}] in the order written. Lines that are not such records are left out
+    (read_metrics names a malformed line)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                back = rec["rollback"]
+                a, b = back["skip"]
+                out.append({"step": int(rec["step"]), "to_step": int(back["to_step"]), "skip": [int(a), int(b)]})
+            except (ValueError, TypeError, KeyError):
+                continue
+    return out
+
+
+def marks(train: list[dict], rollbacks: list[dict]) -> dict[str, list[tuple]]:
+    """Where draw marks a run's events, from read_metrics' train records and read_rollbacks' records.
+
+    {"rollback": [(tokens seen, step, text)]}: each rollback at the step it went back to (that
+    step's tokens_seen; 0 at step 0; from the run's tokens per step when that step was not logged),
+    text 'skip a-b' (the data steps it skipped; 'skip a-b, c-d' for two rollbacks to one step). {"skipped": [(tokens seen, loss, step)]}: each
+    update the spike guard skipped ("skipped" in its record), at its loss, or at the last finite
+    loss before it when that is not finite (None when there is none).
+    """
+    by_step = {r["step"]: r for r in train}
+    per_step = train[-1]["tokens_seen"] / train[-1]["step"] if train else 0.0
+    skips: dict[int, list[str]] = {}  # rollbacks to one step share a mark
+    for r in rollbacks:
+        skips.setdefault(r["to_step"], []).append("{}-{}".format(*r["skip"]))
+    backs = [(by_step[c]["tokens_seen"] if c in by_step else c * per_step, c, "skip " + ", ".join(texts))
+             for c, texts in skips.items()]
+    skipped, last = [], None
+    for r in train:
+        finite = math.isfinite(r["loss"])
+        if r.get("skipped"):
+            skipped.append((r["tokens_seen"], r["loss"] if finite else last, r["step"]))
+        last = r["loss"] if finite else last
+    return {"rollback": backs, "skipped": [m for m in skipped if m[1] is not None]}
+
+
 def run_labels(run_dirs: list[str]) -> list[str]:
     """A legend label per run directory: its basename, with parent folders added where basenames repeat (x/a, y/a)."""
     paths = [os.path.abspath(d).split(os.sep) for d in run_dirs]
@@ -102,8 +146,11 @@ def _tokens(x: float, _pos=None) -> str:
     return f"{x:.0f}"
 
 
-def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int = 1) -> None:
+def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int = 1,
+         rollbacks: list[list[dict]] | None = None) -> None:
     """Write the 2x2 figure of runs [(label, train records, val records)] to out (format from its suffix).
+
+    rollbacks: each run's read_rollbacks records (None: none), marked with its skipped updates (see marks).
 
     smooth > 1: the train loss is a running mean over that many records, the raw loss faint behind.
     Raises MissingPackageError without matplotlib (the plot extra), OSError/ValueError if out
@@ -136,6 +183,16 @@ def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int =
                 ax_loss.plot(*zip(*pts), color=color, ls="--", marker=markers[j % len(markers)],
                              ms=6, mec="white", zorder=3,
                              label=f"{label} {key.replace('val_loss', 'val')}")
+        events = marks(train, rollbacks[i] if rollbacks else [])
+        for k, (x, step, text) in enumerate(events["rollback"]):
+            ax_loss.axvline(x, color=color, ls=":", lw=1.2, label=f"{label} rollback (to the dotted step)" if not k
+                            else None)
+            ax_loss.annotate(text, (x, 1), xycoords=ax_loss.get_xaxis_transform(), rotation=90, fontsize=7,
+                             color=color, ha="right", va="top")
+            ax_lr.axvline(step, color=color, ls=":", lw=1.2)
+        if events["skipped"]:
+            x, y, _ = zip(*events["skipped"])
+            ax_loss.scatter(x, y, marker="x", s=40, color=color, zorder=4, label=f"{label} update skipped")
         ax_lr.plot(steps, [r["lr"] for r in train], color=color, label=label)
         ax_tps.plot(steps, [r["tokens_per_sec"] for r in train], color=color, label=label)
         ax_mfu.plot(steps, [100 * r["mfu"] for r in train], color=color, label=label)
@@ -184,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         require("matplotlib", "plot", "plot.py")
         runs = [(label, *read_metrics(RunDir(d).metrics))
                 for label, d in zip(run_labels(a.run_dirs), a.run_dirs)]
+        rollbacks = [read_rollbacks(RunDir(d).metrics) for d in a.run_dirs]
         try:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            draw(runs, a.out, a.smooth)
+            draw(runs, a.out, a.smooth, rollbacks)
         except (OSError, ValueError) as e:
             raise PlotError(f"cannot write {a.out} ({' '.join(str(e).split())}): pass a writable --out ending in .png")
     except UserError as e:

@@ -129,6 +129,12 @@ def build_table(key: str, cls, values: Any):
     for k in values:
         if k not in fields:
             raise ConfigError(f"unknown config key '{key}.{k}'{_suggest(k, fields)}")
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [name for name in required if name not in values]
+    if missing:  # else the dataclass' TypeError, or a default that reads as a value in a later message
+        table = key.rsplit("[", 1)[0]
+        raise ConfigError(f"{key}: no {missing[0]} given; every [[{table}]] table needs {' and '.join(required)}")
     try:
         return cls(**{k: _convert(f"{key}.{k}", v, fields[k]) for k, v in values.items()})
     except ValueError as e:  # a dataclass' own validation raising ValueError

@@ -219,6 +219,30 @@ def remove(path: str) -> None:
         pass
 
 
+def move(path: str, dest: str, first: str = "") -> None:
+    """Move the folder (or file) at path to dest, a name that is free, on the same store.
+
+    Local: one rename (dest's parent created). URL: every object copied, then the source
+    removed, its object named `first` (a commit marker) before the rest, so a move cut short
+    never leaves a source that reads as complete without all its objects. Raises OSError
+    (FileNotFoundError, FileExistsError) when it cannot.
+    """
+    if not is_url(path):
+        if os.path.lexists(dest):
+            raise FileExistsError(f"{dest} exists")
+        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
+        os.rename(path, dest)
+        return
+    fs, inner = filesystem(path)
+    _, inner_dest = filesystem(dest)
+    if fs.exists(inner_dest):
+        raise FileExistsError(f"{dest} exists")
+    fs.copy(inner, inner_dest, recursive=True)
+    if first:
+        fs.rm(f"{inner.rstrip('/')}/{first}")
+    fs.rm(inner, recursive=True)
+
+
 def download(path: str, local: str) -> None:
     """Copy the file at URL path to the local file local (written whole, then renamed into place)."""
     fs, inner = filesystem(path)

@@ -4,6 +4,7 @@ import pytest
 from config import Config, parse_config
 from core import cli
 from core.errors import ConfigError
+from data_pipeline.loader import merge_ranges
 from launch import DEBUG, prepared_data_dir, refused
 from parallel import distributed
 from training import command
@@ -108,6 +109,8 @@ def test_bad_override_values_are_config_errors(argv, msg):
     (b"[model]\npreset = 5\n", "model.preset: expected a preset name (str), got 5; valid: debug,"),
     (b"[model]\npreset = [\"debug\"]\n", "model.preset: expected a preset name (str), got ['debug']"),
     (b"run_dir = {a = 1}\n", "run_dir: expected str, got {'a': 1}"),
+    (b"[[train.skip]]\nstart_step = 20\n",
+     "train.skip[0]: no end_step given; every [[train.skip]] table needs start_step and end_step"),
 ])
 def test_bad_toml_files_are_config_errors(tmp_path, toml, msg):
     path = tmp_path / "bad.toml"
@@ -115,6 +118,15 @@ def test_bad_toml_files_are_config_errors(tmp_path, toml, msg):
     with pytest.raises(ConfigError) as e:
         parse_config(["--config", str(path)])
     assert msg in str(e.value) and "\n" not in str(e.value) and len(str(e.value)) < 300, str(e.value)
+
+
+def test_nested_and_overlapping_skip_tables_skip_their_union(tmp_path):
+    """Rollback records pasted verbatim: a later, further-reaching skip contains an earlier one."""
+    path = tmp_path / "skips.toml"
+    path.write_text(open(DEBUG).read() + "".join(f"\n[[train.skip]]\nstart_step = {a}\nend_step = {b}\n"
+                                                 for a, b in [(7, 10), (4, 12), (20, 21), (12, 14)]))
+    cfg = parse_config(["--config", str(path)])
+    assert merge_ranges(cfg.train.skip_ranges()) == [[4, 14], [20, 21]]
 
 
 def test_unreadable_config_paths_are_config_errors(tmp_path):

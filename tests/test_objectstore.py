@@ -121,6 +121,35 @@ def test_storage_reads_writes_lists_and_removes_on_the_server(s3):
     assert not fs.exists(f"{root}/a/x.bin")
 
 
+def _fake_checkpoint(root: str, step: int) -> None:
+    """A committed step directory of two objects (DCP's metadata and a shard) and the marker, the bytes naming it."""
+    for name in (".metadata", "__0_0.distcp", ckpt_lib.COMMIT_MARKER):
+        fs.write_bytes(fs.join(ckpt_lib.step_dir(root, step), name), f"{step}{name}".encode())
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_checkpoints_set_aside_move_whole_where_no_resume_looks(where, tmp_path, request):
+    """A stop of train.rollback moves the steps after the one it names into a folder of its own, kept whole."""
+    root = str(tmp_path / "ckpt") if where == "local" else f"s3://{BUCKET}/aside"
+    if where == "s3":
+        request.getfixturevalue("s3")
+    for step in (3, 6, 9):
+        if where == "local":
+            os.makedirs(ckpt_lib.step_dir(root, step))
+        _fake_checkpoint(root, step)
+    assert ckpt_lib.set_aside(root, 9, 10) == ([], "")
+    moved, folder = ckpt_lib.set_aside(root, 3, 10)
+    assert moved == [6, 9] and folder == fs.join(root, "diverged_at_step_10")
+    assert [s for s, _ in ckpt_lib.complete_checkpoints(root)] == [3]  # what a resume finds
+    assert [s for s, _ in ckpt_lib.complete_checkpoints(folder)] == [6, 9]
+    assert fs.read_bytes(fs.join(folder, "step_00000009", "__0_0.distcp")) == b"9__0_0.distcp"
+    if where == "local":
+        os.makedirs(ckpt_lib.step_dir(root, 6))
+    _fake_checkpoint(root, 6)  # the next run saved step 6 again, and stopped at step 10 again
+    assert ckpt_lib.set_aside(root, 3, 10) == ([6], fs.join(root, "diverged_at_step_10.2"))
+    assert [s for s, _ in ckpt_lib.complete_checkpoints(folder)] == [6, 9]
+
+
 @pytest.mark.slow
 def test_a_store_gone_for_a_moment_is_retried_with_backoff(s3, monkeypatch):
     relay = Relay(int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))

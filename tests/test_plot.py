@@ -10,8 +10,10 @@ from launch import refused
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, seed=0.0, tasks=()):
-    """A metrics.jsonl like the trainer's: n_train train records, a validation record at each of val_steps."""
+def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, seed=0.0, tasks=(), events=False):
+    """A metrics.jsonl like the trainer's: n_train train records, a validation record at each of val_steps; events:
+    updates skipped at steps 5 (NaN loss) and 7, and rollbacks (steps 14 and 12 back to 10, step 25 back to 0) as the
+    trainer leaves them (the train records of the steps trained again are the later ones)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in range(1, n_train + 1):
@@ -27,6 +29,13 @@ def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, see
             if tasks:  # the loop writes downstream scores as a record of their own, after validation's
                 lines.append({"step": step, **{f"eval/{t}/{m}": 0.25 + step / 200 + i / 20 for i, t in enumerate(tasks)
                                                for m in ("acc", "acc_norm")}})
+    if events:
+        for r in lines:
+            if r.get("step") in (5, 7) and "loss" in r:
+                r.update(skipped=True, skip_reason="spike", loss=r["loss"] if r["step"] == 7 else math.nan)
+        lines.insert(15, {"step": 14, "rollback": {"to_step": 10, "skip": [11, 14], "trigger": "2 outliers in a row"}})
+        lines.insert(16, {"step": 12, "rollback": {"to_step": 10, "skip": [15, 16], "trigger": "2 outliers in a row"}})
+        lines.append({"step": 25, "rollback": {"to_step": 0, "skip": [1, 25], "trigger": "non-finite gradient norm"}})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     return run_dir
 
@@ -43,6 +52,20 @@ def test_downstream_records_join_their_steps_validation(tmp_path):
     assert val[1]["val_loss"] == 6.0 and val[1]["eval/mc/acc"] == 0.35 and val[1]["eval/arc/acc_norm"] == pytest.approx(0.4)
 
 
+def test_rollbacks_and_skipped_updates_are_marked_where_they_happened(tmp_path):
+    path = str(_write_run(tmp_path / "a", events=True) / "metrics.jsonl")
+    train, _ = plot.read_metrics(path)
+    rollbacks = plot.read_rollbacks(path)
+    assert [(r["step"], r["to_step"], r["skip"]) for r in rollbacks] == [(14, 10, [11, 14]), (12, 10, [15, 16]),
+                                                                         (25, 0, [1, 25])]
+    m = plot.marks(train, rollbacks)
+    # At step 10's tokens_seen (one mark for its two rollbacks), and at 0 for step 0.
+    assert m["rollback"] == [(20480, 10, "skip 11-14, 15-16"), (0, 0, "skip 1-25")]
+    # Step 5's loss is NaN: its x sits on step 4's loss; step 7's on its own.
+    assert m["skipped"] == [(10240, train[3]["loss"], 5), (14336, train[6]["loss"], 7)]
+    assert plot.marks(train, []) == {"rollback": [], "skipped": m["skipped"]}
+
+
 def test_labels_and_smoothing():
     assert plot.run_labels(["runs/a", "runs/b/"]) == ["a", "b"]
     assert plot.run_labels(["r/x/a", "r/y/a", "r/y/a/"]) == ["x/a", "y/a", "y/a #2"]
@@ -55,7 +78,7 @@ def test_two_runs_make_a_png(tmp_path, capsys):
     from matplotlib.image import imread
 
     a = _write_run(tmp_path / "runs" / "a")
-    b = _write_run(tmp_path / "runs" / "b", extra_val=True, seed=1.0, tasks=("mc", "arc"))
+    b = _write_run(tmp_path / "runs" / "b", extra_val=True, seed=1.0, tasks=("mc", "arc"), events=True)
     out = tmp_path / "new" / "dir" / "curves.png"  # the parent is created
     assert plot.main([str(a), str(b), "--out", str(out), "--smooth", "5"]) == 0
     assert capsys.readouterr().out.strip() == f"wrote {out} (2 runs, 60 train records)"

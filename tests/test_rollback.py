@@ -33,8 +33,9 @@ pytestmark = pytest.mark.slow
 STEPS = 16
 PLAIN = ["--train.steps", str(STEPS), "--train.seed", "0", "--checkpoint.interval", "4", "--train.val_interval", "0"]
 GUARD = ["--train.rollback", "3", "--train.rollback_after", "2", "--train.spike_skip", "3",
-         "--train.spike_window", "4"]
-FAULT = {"DIVERGE": "10-11"}  # the loss of batches 10 and 11 times 1e4 on every rank
+         "--train.spike_window", "4", "--train.rollback_margin", "2"]
+FAULT = {"DIVERGE": "10-13,20-21"}  # the loss of batches 10-13 and 20-21 times 1e4 on every rank
+TABLE = re.compile(r"\[\[train\.skip\]\] start_step = (\d+), end_step = (\d+)")
 
 
 def _run(nproc, rd, *extra, env=FAULT, **kw):
@@ -46,21 +47,34 @@ def _rollbacks(rd) -> list[dict]:
     return [r["rollback"] for r in metrics(rd) if "rollback" in r]
 
 
-def _by_hand(tmp_path, rd_name, skips, nproc=1):
+def _with_tables(path, skips):
+    """configs/debug.toml with the skips appended as [[train.skip]] tables, written to path; returns path."""
+    path.write_text(open(DEBUG).read() + "".join(f"\n[[train.skip]]\nstart_step = {a}\nend_step = {b}\n"
+                                                 for a, b in skips))
+    return path
+
+
+def _by_hand(tmp_path, rd_name, skips, nproc=1, *extra, env=FAULT):
     """The reference: train_fsdp.py without the guard, with the skips as [[train.skip]] tables (and the fault)."""
-    config = tmp_path / f"{rd_name}.toml"
-    config.write_text(open(DEBUG).read() + "".join(f"\n[[train.skip]]\nstart_step = {a}\nend_step = {b}\n"
-                                                   for a, b in skips))
+    config = _with_tables(tmp_path / f"{rd_name}.toml", skips)
     rd = tmp_path / rd_name
     prepared_data_dir(rd)
-    debug_run(nproc, rd, *PLAIN, "--config", str(config), script="tests/diverge_worker.py", env=FAULT)
+    debug_run(nproc, rd, *PLAIN, *extra, "--config", str(config), script="tests/diverge_worker.py", env=env)
     return rd
 
 
-def _assert_same(rd, reference, rtol):
+def _stop_line(proc) -> str:
+    """The one 'error: ' line of a run that stopped (exit status 2)."""
+    out = proc.stdout + proc.stderr
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, out[-3000:]
+    return errors[0]
+
+
+def _assert_same(rd, reference, rtol, steps=STEPS):
     want, got = losses(reference), losses(rd)
-    assert [r["step"] for r in metrics(rd) if "loss" in r][-STEPS:] == list(range(1, STEPS + 1))
-    assert sorted(got) == list(range(1, STEPS + 1)) and sorted(want) == sorted(got)
+    assert [r["step"] for r in metrics(rd) if "loss" in r][-steps:] == list(range(1, steps + 1))
+    assert sorted(got) == list(range(1, steps + 1)) and sorted(want) == sorted(got)
     worst = max(abs(got[k] - want[k]) / abs(want[k]) for k in want)
     assert worst <= rtol, worst
     a, b = final_weights(rd), final_weights(reference)
@@ -76,11 +90,14 @@ def one_rank(tmp_path_factory):
 
 
 def test_rollback_equals_a_fresh_run_with_its_skips_by_hand(one_rank, tmp_path):
-    """The outliers of batches 10 and 11 roll back to step 8 and skip batches 9-11; 1 rank at 1e-6, 2 ranks at 1e-4."""
+    """Three rollbacks, nested and disjoint: the outliers of batches 10-11 go back to step 8 and skip 9-11; batches 12-13,
+    the next two drawn, go back further, to step 4, skipping 5-13 (which holds 9-11); batches 20-21 then go back to
+    step 8 again, skipping 18-21. The three records pasted verbatim as [[train.skip]] tables are the same run: 1 rank
+    at 1e-6, 2 ranks at 1e-4."""
     records = _rollbacks(one_rank)
-    assert records and records[0]["to_step"] == 8 and records[0]["skip"] == [9, 11], records
-    assert "outliers in a row" in records[0]["trigger"]
-    assert [r["step"] for r in metrics(one_rank) if "rollback" in r][0] == 11
+    assert [(r["to_step"], r["skip"]) for r in records] == [(8, [9, 11]), (4, [5, 13]), (8, [18, 21])], records
+    assert all("outliers in a row" in r["trigger"] for r in records)
+    assert [r["step"] for r in metrics(one_rank) if "rollback" in r] == [11, 10, 12]
     reference = _by_hand(tmp_path, "by_hand", [r["skip"] for r in records])
     _assert_same(one_rank, reference, 1e-6)
     two = tmp_path / "two"
@@ -95,7 +112,7 @@ def test_sigkill_after_a_rollback_then_resume_ends_as_the_uninterrupted_run(one_
     cmd = torchrun_command(1, "tests/diverge_worker.py", "--config", DEBUG, "--run_dir", rd, *PLAIN, *GUARD)
     proc = spawn(cmd, tmp_path / "log", env=FAULT)
     try:
-        wait_for_step(rd, 13, proc)  # past the rollback at step 11 and the checkpoint of step 12 that records it
+        wait_for_step(rd, 13, proc)  # past the third rollback (at step 12) and the checkpoint of step 12 after it
     finally:
         kill_tree(proc.pid)
         proc.wait()
@@ -131,9 +148,12 @@ def test_nan_on_one_rank_rolls_back_every_rank_and_a_spent_budget_stops_with_one
     assert max(lr) == 9 and lr[9] == pytest.approx(0.5 * want[9], rel=1e-12) and lr[8] == want[8]
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "step 10: non-finite gradient norm" in errors[0], errors
-    assert "rollback budget is spent (train.rollback 1; 1 made, skipping data steps 9-10)" in errors[0]
-    assert "add [[train.skip]] start_step = 12, end_step = 12 (the batches of steps 10-10)" in errors[0]
-    assert "step_00000008 (step 8)" in errors[0]
+    assert ("rollback budget is spent (train.rollback 1; 1 made); data steps skipped: 9-10 by rollbacks, none by "
+            "[[train.skip]]") in errors[0]
+    # Step 8's checkpoint predates the rollback: the remedy carries its skip too.
+    assert ("add [[train.skip]] start_step = 9, end_step = 10 (a rollback's skip) and [[train.skip]] start_step = 12, "
+            "end_step = 12 (the batches of steps 10-10) to the --config file and run the same command") in errors[0]
+    assert "resumes from the newest good checkpoint, " in errors[0] and "step_00000008 (step 8)" in errors[0]
     assert list(at_rollback) == [4, 8] and {c: _tree_hash(p) for c, p in complete_checkpoints(root)} == at_rollback
 
 
@@ -147,13 +167,50 @@ def _tree_hash(path) -> str:
     return h.hexdigest()
 
 
-def test_a_divergence_before_the_first_checkpoint_stops_with_the_table_that_skips_it(tmp_path):
-    rd = tmp_path / "early"
-    proc = _run(1, rd, env={"DIVERGE": "2-3::nan"}, check=False)
-    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: step 2: non-finite gradient norm"), errors
-    assert "no checkpoint in" in errors[0] and "add [[train.skip]] start_step = 2, end_step = 2" in errors[0]
-    config = tmp_path / "fixed.toml"
-    config.write_text(open(DEBUG).read() + "\n[[train.skip]]\nstart_step = 2\nend_step = 3\n")
-    _run(1, rd, "--config", str(config), env={"DIVERGE": "2-3::nan"})  # the fix it names, then the same command
-    assert max(losses(rd)) == STEPS and not any("non-finite" in r["trigger"] for r in _rollbacks(rd))
+def _apply_remedy(tmp_path, rd, line, argv, env, steps=STEPS):
+    """The stop's remedy as printed: its [[train.skip]] tables added to the config, then the same command; returns
+    the tables."""
+    tables = [(int(a), int(b)) for a, b in TABLE.findall(line.split(" add ", 1)[1])]
+    assert tables and "to the --config file and run the same command" in line, line
+    config = _with_tables(tmp_path / "remedy.toml", tables)
+    _run(1, rd, *argv, "--config", str(config), "--train.steps", str(steps), env=env)
+    return tables
+
+
+def test_a_spent_budget_names_the_checkpoint_the_next_run_resumes_from(tmp_path):
+    """The issue's run: batches 7-8 roll back to step 3 (budget 1, margin 2), skipping 4-8; then batch 20, at step
+    15, is an outlier trained through and saved in step 15's checkpoint, and batch 21 diverges at step 16. The stop
+    names step 12 and moves step 15 aside; its remedy applied as printed is a fresh run given its tables."""
+    rd, argv = tmp_path / "spent", ["--train.rollback", "1", "--checkpoint.interval", "3", "--checkpoint.keep", "0"]
+    env = {"DIVERGE": "7-8,20-21"}
+    line = _stop_line(_run(1, rd, *argv, env=env, check=False))
+    root = str(rd / "checkpoints")
+    aside = os.path.join(root, "diverged_at_step_16")
+    assert line.startswith("error: step 16: 2 outliers in a row"), line
+    assert ("data steps skipped: 4-8 by rollbacks, none by [[train.skip]]; the next run resumes from the newest good "
+            f"checkpoint, {root}/step_00000012 (step 12): the checkpoints after step 12 (step 15) were moved to {aside}; add "
+            "[[train.skip]] start_step = 4, end_step = 8 (a rollback's skip) and [[train.skip]] start_step = 20, "
+            "end_step = 21 (the batches of steps 15-16) to the --config file") in line, line
+    assert [c for c, _ in complete_checkpoints(root)] == [3, 6, 9, 12]
+    assert [c for c, _ in complete_checkpoints(aside)] == [15]  # kept whole, where no resume looks
+    tables = _apply_remedy(tmp_path, rd, line, argv, env)
+    assert not [r for r in _rollbacks(rd) if r["to_step"] >= 12]
+    _assert_same(rd, _by_hand(tmp_path, "by_hand", tables, env=env), 1e-6)
+
+
+def test_a_divergence_before_the_first_usable_checkpoint_stops_and_the_next_run_starts_over(tmp_path):
+    """Batch 5 is an outlier trained through and saved in step 5's checkpoint; batch 6 diverges at step 6, and no
+    checkpoint is from step 3 or before. The stop moves step 5 aside; its remedy applied as printed (8 steps) is a
+    fresh run given its table."""
+    rd, argv, env, steps = tmp_path / "early", ["--checkpoint.interval", "5"], {"DIVERGE": "5-6"}, 8
+    line = _stop_line(_run(1, rd, *argv, "--train.steps", str(steps), env=env, check=False))
+    root = str(rd / "checkpoints")
+    assert line.startswith("error: step 6: 2 outliers in a row"), line
+    assert (f"no checkpoint in {root} is from step 3 or before (the first outlier, step 5, minus "
+            f"train.rollback_margin) to roll back to: the next run starts from step 0; the run's checkpoints (step 5) "
+            f"were moved to {root}/diverged_at_step_6; add [[train.skip]] start_step = 5, end_step = 6 (the "
+            f"batches of steps 5-6) to the --config file and run the same command") in line, line
+    assert complete_checkpoints(root) == []
+    tables = _apply_remedy(tmp_path, rd, line, argv, env, steps)
+    assert not _rollbacks(rd)
+    _assert_same(rd, _by_hand(tmp_path, "by_hand", tables, 1, "--train.steps", str(steps), env=env), 1e-6, steps)

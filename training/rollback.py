@@ -16,14 +16,18 @@ row, raised before the update and alike on every rank) every rank:
    one line; then trains on from step C + 1.
 
 The count is saved in the train state; once train.rollback are made, the next divergence
-stops the run with one line naming the newest good checkpoint and the skips, every checkpoint
-kept. train.rollback_lr_factor f < 1 scales the schedule by f after each rollback (f^n after
+stops the run before the update with one line: the checkpoint the next run resumes from (the
+newest good one; none before the first: then the next run starts over), the skips, and the
+[[train.skip]] tables to add. The checkpoints newer than that one (an outlier's update may be in
+them) are moved, whole, into a folder beside them that no resume looks in (checkpoint.set_aside),
+which the line names; so the same command with those tables added is a fresh run given them from
+the start. train.rollback_lr_factor f < 1 scales the schedule by f after each rollback (f^n after
 n rollbacks, also when a resume loads a checkpoint saved after them).
 """
 from __future__ import annotations
 
-from checkpoint import complete_checkpoints
-from core.errors import TrainingError
+from checkpoint import complete_checkpoints, set_aside
+from core.errors import TrainingError, UserError, one_line
 from data_pipeline.loader import merge_ranges
 from observability.metrics import MetricsLog
 from observability.progress import Progress
@@ -44,7 +48,8 @@ class Rollback:
         """Roll back after d (collective); afterwards s.train_state.step is the checkpoint's step.
 
         Raises TrainingError on every rank when the budget (train.rollback) is spent or no
-        checkpoint is old enough: nothing is loaded, removed or overwritten then.
+        checkpoint is old enough: nothing is loaded, removed or overwritten then; the checkpoints
+        newer than the one the line names are moved aside (see the module).
         """
         s, t = self.s, self.s.cfg.train
         s.ckpt.wait()  # an asynchronous save in flight is committed first: it may be the target
@@ -71,19 +76,59 @@ class Rollback:
                             f"([[train.skip]] start_step = {skip[0]}, end_step = {skip[1]}){lr}")
 
     def _stop_line(self, d: Divergence, target: tuple[int, str] | None, made: int) -> str:
+        """The stop's one line; first (rank 0, collective) the checkpoints newer than the one the next run must
+        resume from are set aside, so that the remedy it names, applied as printed, is a fresh run given its
+        tables."""
         s, t = self.s, self.s.cfg.train
+        after = target[0] if target else 0
+        moved, folder, failed = distributed.on_rank0(lambda: _set_aside(s.ckpt.root, after, d.step), s.rank)
         bad = s.loader.drawn(d.step - d.first + 1)
-        fix = (f"add [[train.skip]] start_step = {bad[0]}, end_step = {bad[-1]} (the batches of steps "
-               f"{d.first}-{d.step}) and run the same command")
+        fix = f"add {_tables(s.loader, (bad[0], bad[-1]), d)} to the --config file and run the same command"
+        which = "the run's checkpoints" if target is None else f"the checkpoints after step {after}"
+        if moved:
+            steps = ("steps " if len(moved) > 1 else "step ") + ", ".join(map(str, moved))
+            fix = f"{which} ({steps}) were moved to {folder}; {fix}"
+        elif failed:
+            fix = f"{which} could not be moved away ({failed}): move them out of {s.ckpt.root} by hand first; {fix}"
         if target is None:
+            start = "from checkpoint.load_from again" if s.cfg.checkpoint.load_from else "from step 0"
             where = (f"no checkpoint in {s.ckpt.root} is from step {d.first - t.rollback_margin} or before (the "
-                     f"first outlier, step {d.first}, minus train.rollback_margin) to roll back to; {fix}")
+                     f"first outlier, step {d.first}, minus train.rollback_margin) to roll back to: the next run "
+                     f"starts {start}; {fix}")
         else:
-            skipped = ", ".join(f"{a}-{b}" for a, b in s.loader.state.skips) or "none"
-            where = (f"the rollback budget is spent (train.rollback {t.rollback}; {made} made, skipping data steps "
-                     f"{skipped}); the newest good checkpoint is {target[1]} (step {target[0]}); {fix}, or raise "
-                     f"train.rollback")
-        return f"step {d.step}: {d.trigger}; stopped before the update, every checkpoint kept; {where}"
+            where = (f"the rollback budget is spent (train.rollback {t.rollback}; {made} made); data steps skipped: "
+                     f"{_ranges(s.loader.state.skips)} by rollbacks, {_ranges(s.loader.config_skips)} by "
+                     f"[[train.skip]]; the next run resumes from the newest good checkpoint, {target[1]} (step "
+                     f"{target[0]}): {fix}, or raise train.rollback")
+        return f"step {d.step}: {d.trigger}; stopped before the update; {where}"
+
+
+def _ranges(ranges) -> str:
+    """'4-8, 20-21' for [[4, 8], [20, 21]] (merged first), or 'none'."""
+    return ", ".join(f"{a}-{b}" for a, b in merge_ranges(map(tuple, ranges))) or "none"
+
+
+def _tables(loader, bad: tuple[int, int], d: Divergence) -> str:
+    """The [[train.skip]] tables a stop's remedy adds: the diverging batches and the rollbacks' skips not already
+    configured (the checkpoint resumed from, or a new start, may predate those rollbacks), as few as cover them."""
+    configured = merge_ranges(loader.config_skips)
+    out = []
+    for a, b in merge_ranges([*map(tuple, loader.state.skips), bad]):
+        if any(c <= a and b <= e for c, e in configured):
+            continue
+        has_bad = a <= bad[0] and bad[1] <= b
+        why = (f"the batches of steps {d.first}-{d.step}" + (" and a rollback's skip" if (a, b) != bad else "")
+               if has_bad else "a rollback's skip")
+        out.append(f"[[train.skip]] start_step = {a}, end_step = {b} ({why})")
+    return " and ".join(out)
+
+
+def _set_aside(root: str, after: int, step: int) -> tuple[list[int], str, str]:
+    """checkpoint.set_aside, its failure as text: (steps moved, folder, '' or why it failed)."""
+    try:
+        return (*set_aside(root, after, step), "")
+    except (OSError, UserError) as e:  # the stop's line must still reach every rank, naming what to move by hand
+        return [], "", one_line(e)
 
 
 def _newest_at_most(root: str, step: int) -> tuple[int, str] | None:
