@@ -8,13 +8,14 @@ new one without a row here fails: write its test, then add the row.
 
 | where | the message, by a part of it | the test that follows it |
 |---|---|---|
-| training/rollback.py | `and run the same command`: a divergence the budget cannot take, or before a usable checkpoint | test_rollback.py::test_spent_budget_remedy_equals_fresh_run_with_skips |
+| training/rollback.py | `and run the same command`: a divergence the rollback budget cannot take | test_rollback.py::test_a_spent_budget_names_the_checkpoint_the_next_run_resumes_from |
+| training/rollback.py | `and run the same command`: a divergence before a usable checkpoint | test_rollback.py::test_a_divergence_before_the_first_usable_checkpoint_stops_and_the_next_run_starts_over |
 | training/loop.py | `pass --train.nonfinite skip` | test_bad_input.py::test_nonfinite_gradient_stops_without_touching_the_last_checkpoint |
 | training/loop.py | `saved step {} in {}; {} at step {} of {}; run the same command to resume` | test_checkpoint.py::test_ctrl_c_finishes_the_step_on_every_rank_saves_and_resumes_the_same_run |
-| training/command.py | `see the other ranks' output for the cause, then run the same command`: a hung or lost peer | test_restart.py::test_a_hung_rank_is_detected_and_the_named_checkpoint_resumes |
+| training/command.py | `see the other ranks' output for the cause, then run the same command`: a hung or lost peer | test_restart.py::test_a_hung_rank_stops_its_peers_within_the_timeout_and_its_checkpoint_resumes |
 | training/command.py | `interrupted (Ctrl-C); what was saved before stays; run the same command`: before the loop | test_checkpoint.py::test_ctrl_c_before_the_loop_keeps_what_was_saved_and_the_same_command_resumes |
 | training/resume.py | `or pass --checkpoint.load_from {}`: checkpoint.dir moved away from the run's checkpoints | test_bad_input.py::test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused |
-| checkpoint.py | `fix the store or disk, then run the same command` | test_objectstore.py::test_a_store_outage_stops_the_run_and_the_same_command_resumes |
+| checkpoint.py | `fix the store or disk, then run the same command` | test_objectstore.py::test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_like_the_local_run |
 | nn/parametrization.py | `set --model.parametrization mup (or completep), or drop them` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |
 | nn/parametrization.py | `set --model.parametrization completep, or drop it` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |
 | config.py | `set --model.eot_id {}` | test_long_context.py::test_a_tokenizer_whose_eot_is_elsewhere_is_refused_with_the_fix |
