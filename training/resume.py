@@ -41,6 +41,7 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     saved = saved_config(path)  # read once: on a store every read is a request
     if saved.get("model"):  # saved before model.parametrization existed: it was sp
         saved["model"] = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, **saved["model"]}
+    check_same_experts(path, saved.get("model", {}).get("n_experts", 0), cfg.model.n_experts)
     # Fields first: they name what differs, where shapes could only list tensors.
     check_same_config(path, saved, "model", dataclasses.asdict(cfg.model))
     # The data cursor counts windows of seq_len among the train windows: another length or
@@ -135,6 +136,18 @@ def changed(saved: dict, section: str, current: dict) -> list[str]:
     old = saved.get(section, {})
     return [f"{section}.{k} {old[k]!r} -> {v!r}".replace("'", "") for k, v in current.items()
             if k in old and old[k] != (list(v) if isinstance(v, tuple) else v)]
+
+
+def check_same_experts(path: str, saved: int, current: int) -> None:
+    """Raise CheckpointError when a mixture-of-experts checkpoint is resumed as a dense model or the reverse.
+
+    saved: model.n_experts the checkpoint was saved with (0 for a checkpoint from before MoE existed).
+    """
+    if bool(saved) != bool(current):
+        kind = {True: "a mixture of experts (model.n_experts {})", False: "a dense model (model.n_experts 0)"}
+        raise CheckpointError(
+            f"checkpoint '{path}' holds {kind[bool(saved)].format(saved)}, but this run is "
+            f"{kind[bool(current)].format(current)}; resume with --model.n_experts {saved}, or start a new --run_dir")
 
 
 def check_same_optimizer(path: str, saved: str, current: str) -> None:
