@@ -113,8 +113,10 @@ class MoE(nn.Module):
         self.aux_loss: Tensor | None = None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(expert ids (tokens, k) int64, weights (tokens, k) fp32, scores (tokens, E) fp32, router logits) of x (tokens, dim)."""
-        logits = self.router(x).float()
+        """(expert ids (tokens, k) int64, weights (tokens, k), scores (tokens, E), router logits (tokens, E)) of x
+        (tokens, dim); the last three in fp32 (fp64 for an fp64 x)."""
+        logits = self.router(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         # The bias steers the choice only; the weights are the unbiased scores of the chosen experts.
         ids = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
@@ -145,7 +147,7 @@ class MoE(nn.Module):
         total = None
         if self.aux_coef:
             e, k = self.n_experts, self.top_k
-            chosen = torch.zeros(bsz * seq, e, device=ids.device).scatter_(1, ids, 1.0).view(bsz, seq, e)
+            chosen = torch.zeros(bsz * seq, e, dtype=scores.dtype, device=ids.device).scatter_(1, ids, 1.0).view(bsz, seq, e)
             f = chosen.sum(1) * (e / (k * seq))  # (batch, E): no gradient, as in Switch
             p = scores / scores.sum(-1, keepdim=True) if self.score == "sigmoid" else scores
             p = p.view(bsz, seq, e).mean(1)  # (batch, E)
