@@ -18,7 +18,7 @@ from model import ModelArgs, Transformer, flops_per_token, num_params
 from nn.moe import MoE
 from optimization.muon import MuonAdamW
 from parallel import distributed
-from tests.test_muon import newton_schulz_reference
+from test_muon import newton_schulz_reference
 from training.step import MoEStats
 
 TINY = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=48, max_seq_len=16)
