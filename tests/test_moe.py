@@ -4,6 +4,7 @@ combinations that are refused until they are built."""
 import hashlib
 import json
 import os
+import shutil
 from unittest import mock
 
 import pytest
@@ -13,12 +14,13 @@ import torch.nn.functional as F
 import hf
 import train_2d
 import train_fsdp
-from launch import DEBUG, debug_run, metrics, prepared_data_dir, refused
+from launch import DEBUG, debug_run, metrics, prepared_data_dir, refused, torchrun
 from model import ModelArgs, Transformer, flops_per_token, num_params
 from nn.moe import MoE
 from optimization.muon import MuonAdamW
 from parallel import distributed
 from test_muon import newton_schulz_reference
+from test_parametrization import LEGACY, LEGACY_FLAGS
 from training.step import MoEStats
 
 TINY = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=48, max_seq_len=16)
@@ -225,8 +227,9 @@ def test_muon_orthogonalises_each_expert_on_its_own():
     ([*MOE, "--model.moe_first_dense", "4"], "model.moe_first_dense must be in 0..model.n_layers-1 (3), got 4"),
     ([*MOE, "--parallel.cp", "2"], "model.n_experts 4 (mixture of experts) does not run with parallel.cp 2 yet"),
     ([*MOE, "--train.float8", "tensorwise"], "does not run with train.float8 tensorwise yet"),
-    ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf loads a dense Hugging Face Llama, but model.n_experts "
-                                                "is 4"),
+    ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf loads a dense Hugging Face Llama, and model.n_experts "
+                                                "is 4: mixture-of-experts import is not supported yet; drop "
+                                                "--init_from_hf"),
 ])
 def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys, argv, msg):
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -235,6 +238,20 @@ def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys,
         line = refused(train_fsdp.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv], capsys)
     assert msg in line, line
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):
+    from config import parse_config
+    from core.errors import ConfigError
+    from training.command import check_run
+
+    with pytest.raises(ConfigError, match="set --model.n_experts .and --model.experts_per_token., or drop them"):
+        parse_config(["--config", DEBUG, "--model.n_shared_experts", "1"])
+    assert parse_config(["--config", DEBUG, "--model.n_shared_experts", "1", *MOE]).model.n_shared_experts == 1
+    assert parse_config(["--config", DEBUG]).model.n_experts == 0
+    # --init_from_hf refused with MoE: dropped as printed, the same command passes every check.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_run(parse_config(["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MOE]), 1)
 
 
 def test_moe_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
@@ -248,43 +265,55 @@ def test_moe_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def moe_run(tmp_path_factory):
-    """A finished 2-step MoE run with a checkpoint, and a dense one."""
-    runs = {}
-    for name, extra in (("moe", MOE), ("dense", [])):
-        rd = tmp_path_factory.mktemp(name)
-        prepared_data_dir(rd)
-        debug_run(1, rd, "--train.steps", "2", "--checkpoint.interval", "2", "--train.val_interval", "0", *extra)
-        runs[name] = rd
-    return runs
+    """A finished 2-step MoE run (1 rank) with its checkpoint."""
+    rd = tmp_path_factory.mktemp("moe")
+    prepared_data_dir(rd)
+    debug_run(1, rd, "--train.steps", "2", "--checkpoint.interval", "2", "--train.val_interval", "0", *MOE,
+              "--model.n_shared_experts", "1")
+    return rd
+
+
+def _snapshot(rd):
+    return sorted((str(p), p.stat().st_mtime_ns) for p in rd.rglob("*") if p.name != ".lock")
 
 
 @pytest.mark.slow
-def test_moe_records_and_start_line(moe_run):
-    recs = [r for r in metrics(moe_run["moe"]) if "loss" in r]
+def test_moe_train_records_carry_the_load_and_the_bias_range(moe_run):
+    recs = [r for r in metrics(moe_run) if "loss" in r]
     assert len(recs) == 2 and all(r["moe_max_load"] >= 1 and r["moe_bias_range"] >= 0 for r in recs)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved, now, msg", [
-    ("moe", ["--model.n_experts", "0"], "holds a mixture of experts (model.n_experts 4), but this run is a dense "
-                                        "model (model.n_experts 0); resume with --model.n_experts 4"),
-    ("dense", MOE, "holds a dense model (model.n_experts 0), but this run is a mixture of experts (model.n_experts "
-                   "4); resume with --model.n_experts 0"),
-])
-def test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused(moe_run, monkeypatch, capsys, saved, now, msg):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
-    rd = moe_run[saved]
-    before = sorted(os.listdir(rd / "checkpoints"))
-    rc = train_fsdp.main(["--config", DEBUG, "--run_dir", str(rd), "--train.steps", "3", *now])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and msg in err[-1], err
-    assert sorted(os.listdir(rd / "checkpoints")) == before
+def test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused(moe_run, tmp_path):
+    # MoE saved, resumed dense: refused naming both; the printed flags resume it.
+    before = _snapshot(moe_run)
+    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(moe_run), "--train.steps", "3",
+                    "--train.val_interval", "0", check=False)
+    err = next((line for line in proc.stderr.splitlines() if line.startswith("error: ")), proc.stderr[-2000:])
+    assert proc.returncode != 0 and "holds a mixture of experts (model.n_experts 4), but this run is a dense model " \
+        "(model.n_experts 0); pass --model.n_experts 4 --model.experts_per_token 2 --model.n_shared_experts 1 to " \
+        "resume it" in err, proc.stderr[-2000:]
+    assert _snapshot(moe_run) == before
+    flags = err.split("; pass ")[1].split(" to resume it")[0].split()
+    torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(moe_run), "--train.steps", "3",
+             "--train.val_interval", "0", *flags)
+    assert [r["step"] for r in metrics(moe_run) if "loss" in r] == [1, 2, 3]
+    # A dense checkpoint written before MoE existed, resumed as an MoE: refused naming both (it resumes dense:
+    # test_parametrization.py's legacy test).
+    rd = tmp_path / "legacy"
+    shutil.copytree(LEGACY, rd)
+    for f in ("config.toml", "checkpoints/step_00000003/config.toml", "data/meta.json"):  # the run moved here
+        (rd / f).write_text((rd / f).read_text().replace("/tmp/legacy_run", str(rd)))
+    before = _snapshot(rd)
+    proc = torchrun(1, "train_fsdp.py", "--run_dir", str(rd), *LEGACY_FLAGS, *MOE, check=False)
+    assert proc.returncode != 0 and "holds a dense model (model.n_experts 0), but this run is a mixture of experts " \
+        "(model.n_experts 4); resume it without --model.n_experts" in proc.stderr, proc.stderr[-2000:]
+    assert _snapshot(rd) == before
 
 
 @pytest.mark.slow
 def test_hf_export_of_an_moe_run_is_refused(moe_run, tmp_path, capsys):
-    line = refused(hf.main, ["export", "--run_dir", str(moe_run["moe"]), "--out", str(tmp_path / "out")], capsys)
+    line = refused(hf.main, ["export", "--run_dir", str(moe_run), "--out", str(tmp_path / "out")], capsys)
     assert "is a mixture of experts (model.n_experts 4); hf.py export writes Llama models only" in line
     assert not os.path.exists(tmp_path / "out") or not os.listdir(tmp_path / "out")
 
