@@ -19,6 +19,9 @@ windows' documents, computed here from the whole windows by ``slice_layout``).
 Decoding (generate.py) runs this same forward with a ``KVCache`` per layer, unsharded.
 Under ``parametrization`` mup or completep (nn/parametrization.py) the init follows its table and
 three constants of the shape multiply the queries, the residual branches and the logits.
+With ``n_experts`` > 0 the feed-forward of every block past the first ``moe_first_dense`` is a
+mixture of experts (nn/moe.py: ``feed_forward.router``, ``.experts.w1/w2/w3``, ``.shared_experts``,
+the balancing buffer ``.expert_bias``); with 0, the default, the model is the dense one, bit for bit.
 """
 from __future__ import annotations
 
