@@ -2,7 +2,6 @@
 both balancing methods against a skewed router, Muon per expert, active parameters, 1 rank vs FSDP 2, and the
 combinations that are refused until they are built."""
 import hashlib
-import json
 import os
 import shutil
 from unittest import mock
@@ -320,18 +319,23 @@ def test_hf_export_of_an_moe_run_is_refused(moe_run, tmp_path, capsys):
 
 # ---------------------------------------------------------------- layouts
 
+MUON = ["--optim.name", "muon"]
 MOE_LOSSES = [*MOE, "--model.expert_ffn_dim", "96", "--model.n_shared_experts", "1", "--model.moe_aux_loss", "0.01",
               "--model.moe_router_z_loss", "0.001", "--model.moe_bias_update_rate", "0.01"]
 
 
+MOE_LAYOUTS = [([], []), ([], ["--train.activation_checkpointing", "full"]), (MUON, MUON)]
+"""(1-rank flags, FSDP-2 flags) beside MOE_LOSSES: plain, recomputed activations on 2 ranks, Muon on both."""
+
+
 @pytest.mark.slow
-def test_moe_losses_equal_at_1_rank_and_fsdp_2(worker):
-    worker.prefetch([(1, 1, *MOE_LOSSES), (2, 1, *MOE_LOSSES)])
-    one, two = worker(1, 1, *MOE_LOSSES), worker(2, 1, *MOE_LOSSES)
+@pytest.mark.parametrize("one_flags, two_flags", MOE_LAYOUTS, ids=["fsdp2", "fsdp2-ac", "muon"])
+def test_moe_losses_equal_at_1_rank_and_fsdp_2(worker, one_flags, two_flags):
+    worker.prefetch([(1, 1, *MOE_LOSSES, *a) for a, _ in MOE_LAYOUTS] + [(2, 1, *MOE_LOSSES, *b) for _, b in MOE_LAYOUTS])
+    one, two = worker(1, 1, *MOE_LOSSES, *one_flags), worker(2, 1, *MOE_LOSSES, *two_flags)
     assert one["losses"] == pytest.approx(two["losses"], rel=1e-5, abs=0)
     for a, b in zip(one["moe"], two["moe"]):
         assert a.keys() == b.keys() == {"moe_max_load", "moe_bias_range", "moe_aux_loss"}
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-9), k
     assert one["moe"][-1]["moe_bias_range"] > 0  # the bias moved, from the global counts
-    json.dumps(one["moe"])
