@@ -81,8 +81,8 @@ class ModelArgs:
     """MoE: hidden width of each expert's SwiGLU; 0: ffn_dim."""
     n_shared_experts: int = 0
     """MoE: always-on experts of width expert_ffn_dim beside the routed ones (DeepSeek-V3, Llama 4)."""
-    moe_score: str = "softmax"
-    """MoE: router score function: 'softmax' over the experts (Mixtral) or 'sigmoid' per expert (DeepSeek-V3)."""
+    moe_score: str = "sigmoid"
+    """MoE: router score function: 'sigmoid' per expert (DeepSeek-V3, the default: with the bias update it balanced best, docs/moe.md) or 'softmax' over the experts (Mixtral)."""
     moe_renormalize: bool = True
     """MoE: scale each token's k expert weights to sum to 1 (Mixtral, DeepSeek-V3); off: the raw scores."""
     moe_first_dense: int = 0
@@ -91,8 +91,8 @@ class ModelArgs:
     """MoE: coefficient of the Switch/Mixtral load-balancing loss, taken per sequence (0: off)."""
     moe_router_z_loss: float = 0.0
     """MoE: coefficient of the router z-loss, logsumexp(router logits)^2 per token (ST-MoE; 0: off)."""
-    moe_bias_update_rate: float = 1e-3
-    """MoE: aux-loss-free balancing (DeepSeek-V3's gamma): after each step every expert's routing bias moves by this toward even load (0: off)."""
+    moe_bias_update_rate: float = 0.01
+    """MoE: aux-loss-free balancing, the default (DeepSeek-V3's gamma; it used 0.001 over far longer runs): after each step every expert's routing bias moves by this toward even load (0: off)."""
 
     def __post_init__(self) -> None:
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")

@@ -216,7 +216,7 @@ def test_muon_orthogonalises_each_expert_on_its_own():
 
 @pytest.mark.parametrize("argv, msg", [
     (["--model.experts_per_token", "2"], "model.experts_per_token apply only to a mixture of experts"),
-    (["--model.moe_score", "sigmoid", "--model.moe_aux_loss", "0.01"],
+    (["--model.moe_score", "softmax", "--model.moe_aux_loss", "0.01"],
      "model.moe_score, model.moe_aux_loss apply only to a mixture of experts"),
     (["--model.n_experts", "4", "--model.experts_per_token", "5"],
      "model.experts_per_token must be in 1..model.n_experts (4), got 5"),
