@@ -298,8 +298,8 @@ def check_moe(cfg: Config) -> None:
     unsupported = [u for u in unsupported if u]
     if unsupported:
         raise SetupError(f"model.n_experts {m.n_experts} (mixture of experts) does not run with "
-                         f"{', '.join(unsupported)} yet; use FSDP/HSDP (train_fsdp.py) without them, or "
-                         f"--model.n_experts 0")
+                         f"{', '.join(unsupported)} yet (docs/moe.md); run it without them on FSDP or HSDP "
+                         f"(train_fsdp.py), or train a dense model")
 
 
 def validate(cfg: Config, world_size: int) -> None:
