@@ -284,6 +284,21 @@ def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:
                          f"margin or raise checkpoint.keep")
 
 
+def check_moe(cfg: Config) -> None:
+    """Raise SetupError for a mixture of experts (model.n_experts > 0) with what it does not compose with yet:
+    parallel.tp > 1, parallel.cp > 1, train.float8 (docs/moe.md)."""
+    m, p = cfg.model, cfg.parallel
+    if not m.n_experts:
+        return
+    unsupported = [f"parallel.tp {p.tp}" if p.tp > 1 else "", f"parallel.cp {p.cp}" if p.cp > 1 else "",
+                   f"train.float8 {cfg.train.float8}" if cfg.train.float8 != "off" else ""]
+    unsupported = [u for u in unsupported if u]
+    if unsupported:
+        raise SetupError(f"model.n_experts {m.n_experts} (mixture of experts) does not run with "
+                         f"{', '.join(unsupported)} yet (docs/moe.md); run it without them on FSDP or HSDP "
+                         f"(train_fsdp.py), or train a dense model")
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """The checks across sections, files and the world size; needs no collective (run on every rank, first).
 
@@ -298,11 +313,12 @@ def validate(cfg: Config, world_size: int) -> None:
     data.prepared whose meta.json does not match the data settings; a MissingPackageError for
     metrics.tensorboard or metrics.wandb without its package, or an s3:// URL without s3fs;
     and train.float8's checks (float8.check: torchao, parallel.tp 1, a float8-capable GPU; on a CPU
-    rank 0 prints its notice that float8 is only emulated).
+    rank 0 prints its notice that float8 is only emulated); check_moe's refusals.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_layout(cfg.parallel, world_size, local_world_size())
     m = cfg.model
+    check_moe(cfg)
     check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
     dp = world_size // (tp * cfg.parallel.cp)
     for i, (start, g) in enumerate(t.batch_schedule()):

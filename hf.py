@@ -276,12 +276,16 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
                       max_shard_size: int = 5 * 10**9) -> str:
     """Export a run's checkpoint (newest complete one unless given) to out_dir; returns the checkpoint used.
 
-    Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf),
+    Holds the full model in fp32 in CPU memory. Raises CheckpointError or HFError (see load_run, save_hf; an
+    MoE run: not supported yet),
     MissingPackageError without safetensors (the hf extra).
     """
     require("safetensors", "hf", "hf.py export")  # before reading a large checkpoint
     check_out(out_dir)
     cfg, path, tokenizer = load_run(run_dir, checkpoint)
+    if cfg.model.n_experts:
+        raise HFError(f"'{run_dir}' is a mixture of experts (model.n_experts {cfg.model.n_experts}); hf.py export "
+                      f"writes Llama models only, MoE export is not supported yet")
     with torch.device("meta"):
         shapes = Transformer(cfg.model).state_dict()
     state = {k: torch.empty(v.shape) for k, v in shapes.items()}

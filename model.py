@@ -19,6 +19,9 @@ windows' documents, computed here from the whole windows by ``slice_layout``).
 Decoding (generate.py) runs this same forward with a ``KVCache`` per layer, unsharded.
 Under ``parametrization`` mup or completep (nn/parametrization.py) the init follows its table and
 three constants of the shape multiply the queries, the residual branches and the logits.
+With ``n_experts`` > 0 the feed-forward of every block past the first ``moe_first_dense`` is a
+mixture of experts (nn/moe.py: ``feed_forward.router``, ``.experts.w1/w2/w3``, ``.shared_experts``,
+the balancing buffer ``.expert_bias``); with 0, the default, the model is the dense one, bit for bit.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from nn.moe import SCORES, MoE
 from nn.parametrization import check as check_parametrization
 from nn.parametrization import init_std, multipliers
 
@@ -69,6 +73,26 @@ class ModelArgs:
     """mup/completep: the proxy width the hyperparameters were tuned at (a divisor of dim); 0 under sp."""
     base_n_layers: int = 0
     """completep: the proxy depth the hyperparameters were tuned at (1..n_layers); 0 otherwise."""
+    n_experts: int = 0
+    """Mixture of experts (nn/moe.py): routed experts per MoE feed-forward; 0 (default): every feed-forward is the dense SwiGLU MLP."""
+    experts_per_token: int = 0
+    """MoE: experts each token is routed to (token-choice top-k, dropless), in 1..n_experts."""
+    expert_ffn_dim: int = 0
+    """MoE: hidden width of each expert's SwiGLU; 0: ffn_dim."""
+    n_shared_experts: int = 0
+    """MoE: always-on experts of width expert_ffn_dim beside the routed ones (DeepSeek-V3, Llama 4)."""
+    moe_score: str = "sigmoid"
+    """MoE: router score function: 'sigmoid' per expert (DeepSeek-V3, the default: with the bias update it balanced best, docs/moe.md) or 'softmax' over the experts (Mixtral)."""
+    moe_renormalize: bool = True
+    """MoE: scale each token's k expert weights to sum to 1 (Mixtral, DeepSeek-V3); off: the raw scores."""
+    moe_first_dense: int = 0
+    """MoE: the first k layers keep the dense feed-forward (DeepSeek-V3 keeps 3); the others are MoE. In 0..n_layers-1."""
+    moe_aux_loss: float = 0.0
+    """MoE: coefficient of the Switch/Mixtral load-balancing loss, taken per sequence (0: off)."""
+    moe_router_z_loss: float = 0.0
+    """MoE: coefficient of the router z-loss, logsumexp(router logits)^2 per token (ST-MoE; 0: off)."""
+    moe_bias_update_rate: float = 0.01
+    """MoE: aux-loss-free balancing, the default (DeepSeek-V3's gamma; it used 0.001 over far longer runs): after each step every expert's routing bias moves by this toward even load (0: off)."""
 
     def __post_init__(self) -> None:
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
@@ -89,11 +113,51 @@ class ModelArgs:
         if not 0 <= self.eot_id < self.vocab_size:
             raise ValueError(f"model.eot_id must be in 0..model.vocab_size-1 ({self.vocab_size - 1}), got {self.eot_id}")
         check_parametrization(self)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.n_experts < 0:
+            raise ValueError(f"model.n_experts must be >= 0 (0: dense), got {self.n_experts}")
+        if not self.n_experts:
+            default = ModelArgs.__dataclass_fields__
+            moe = [f for f in MOE_FIELDS if getattr(self, f) != default[f].default]
+            if moe:
+                raise ValueError(f"{', '.join('model.' + f for f in moe)} apply only to a mixture of experts; set "
+                                 f"--model.n_experts (and --model.experts_per_token), or drop them")
+            return
+        if not 1 <= self.experts_per_token <= self.n_experts:
+            raise ValueError(f"model.experts_per_token must be in 1..model.n_experts ({self.n_experts}), got "
+                             f"{self.experts_per_token}")
+        if self.expert_ffn_dim < 0:
+            raise ValueError(f"model.expert_ffn_dim must be >= 0 (0: model.ffn_dim), got {self.expert_ffn_dim}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"model.n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.moe_score not in SCORES:
+            raise ValueError(f"model.moe_score must be one of {', '.join(SCORES)}, got {self.moe_score!r}")
+        if not 0 <= self.moe_first_dense < self.n_layers:
+            raise ValueError(f"model.moe_first_dense must be in 0..model.n_layers-1 ({self.n_layers - 1}), got "
+                             f"{self.moe_first_dense}")
+        for name in ("moe_aux_loss", "moe_router_z_loss", "moe_bias_update_rate"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"model.{name} must be a finite number >= 0 (0: off), got {getattr(self, name)}")
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden width of each expert (expert_ffn_dim, or ffn_dim when 0)."""
+        return self.expert_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block layer_id (0-based) has the MoE feed-forward (n_experts > 0 and past moe_first_dense)."""
+        return self.n_experts > 0 and layer_id >= self.moe_first_dense
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+
+MOE_FIELDS = ("experts_per_token", "expert_ffn_dim", "n_shared_experts", "moe_score", "moe_renormalize",
+              "moe_first_dense", "moe_aux_loss", "moe_router_z_loss", "moe_bias_update_rate")
+"""The MoE options besides n_experts: refused with n_experts 0 unless at their defaults."""
 
 PRESETS: dict[str, dict] = {
     # Tiny CPU model for the debug config and the tests.
@@ -313,15 +377,24 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm decoder block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+def moe_feed_forward(args: ModelArgs) -> MoE:
+    """The MoE feed-forward of args's shape (nn/moe.py)."""
+    return MoE(args.dim, args.n_experts, args.experts_per_token, args.expert_hidden, args.n_shared_experts,
+               args.moe_score, args.moe_renormalize, args.moe_aux_loss, args.moe_router_z_loss)
 
-    def __init__(self, args: ModelArgs):
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: x + attention(norm(x)), then h + feed_forward(norm(h)).
+
+    feed_forward: the dense SwiGLU MLP, or the MoE (nn/moe.py) when args.is_moe_layer(layer_id).
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = moe_feed_forward(args) if args.is_moe_layer(layer_id) else FeedForward(args)
         self.residual_scale = multipliers(args).residual
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | BlockMask | None = None,
@@ -341,7 +414,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.logits_scale = multipliers(args).logits
@@ -453,16 +526,25 @@ class Transformer(nn.Module):
                 gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 full = torch.empty(param.shape, device=device).normal_(0.0, std, generator=gen)
             copy_(param, full.to(param.dtype))
+        for name, buf in self.named_buffers():
+            if name.endswith("expert_bias"):  # MoE balancing starts neutral
+                buf.zero_()
 
 
-def num_params(a: ModelArgs, exclude_embedding: bool = False) -> int:
+def num_params(a: ModelArgs, exclude_embedding: bool = False, active: bool = False) -> int:
     """Number of parameters of the full (unsharded) model with shape a.
 
     exclude_embedding drops the token embedding table (a lookup, no FLOPs); the output
-    projection is kept, as it is a matmul.
+    projection is kept, as it is a matmul. active: an MoE layer counts only the
+    experts_per_token routed experts a token runs through (with the router and the shared
+    experts), not all n_experts; the same as the total for a dense model.
     """
-    per_layer = 2 * a.dim + a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads) + 3 * a.dim * a.ffn_dim
-    total = a.n_layers * per_layer + a.dim + 2 * a.vocab_size * a.dim
+    per_layer = 2 * a.dim + a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
+    n_moe = sum(a.is_moe_layer(i) for i in range(a.n_layers))
+    routed = a.experts_per_token if active else a.n_experts
+    moe_ffn = a.dim * a.n_experts + 3 * a.dim * a.expert_hidden * (routed + a.n_shared_experts)
+    ffn = (a.n_layers - n_moe) * 3 * a.dim * a.ffn_dim + n_moe * moe_ffn
+    total = a.n_layers * per_layer + ffn + a.dim + 2 * a.vocab_size * a.dim
     return total - a.vocab_size * a.dim if exclude_embedding else total
 
 
@@ -470,10 +552,10 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward) at sequence length seq_len.
 
     6 N + 12 L H Q T, from the PaLM paper (Chowdhery et al. 2022, appendix B): N the
-    non-embedding parameters, L layers, H heads, Q head dim, T sequence length. The
+    non-embedding parameters a token runs through (an MoE's active ones, num_params(active=True)), L layers, H heads, Q head dim, T sequence length. The
     attention term counts the full T x T score matrix, as PaLM does (causal masking is not
     subtracted). Activation recomputation is not counted (this is model FLOPs, for MFU).
     """
-    n = num_params(args, exclude_embedding=True)
+    n = num_params(args, exclude_embedding=True, active=True)
     return 6.0 * n + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
 

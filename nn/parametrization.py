@@ -46,9 +46,14 @@ PARAMETRIZATIONS = ("sp", "mup", "completep")
 INIT_STD = 0.02
 """GPT-2's and Hugging Face Llama's initializer_range: the proxy's init std of every matrix."""
 HIDDEN = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-          "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
-"""The blocks' hidden matrices (Llama names): both dimensions grow with the width."""
-RESIDUAL_WRITERS = ("attention.wo.weight", "feed_forward.w2.weight")
+          "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
+          "shared_experts.w1", "shared_experts.w2", "shared_experts.w3")
+"""The blocks' hidden matrices (Llama names; an MoE's shared experts): both dimensions grow with the width."""
+EXPERTS = ("experts.w1", "experts.w2", "experts.w3")
+"""An MoE's routed experts: 3-D parameters, n_experts hidden matrices each (nn/moe.py). The router is output-like
+(its fan-out, n_experts, does not grow with the width: Tensor Programs V's rule for a readout), so it keeps the
+defaults of the output row above."""
+RESIDUAL_WRITERS = ("attention.wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight", "experts.w2")
 
 
 def check(args) -> None:
@@ -106,9 +111,10 @@ def multipliers(args) -> Multipliers:
 
 
 def is_hidden(name: str) -> bool:
-    """Whether the parameter of this (unwrapped or compiled) name is one of the blocks' hidden matrices."""
+    """Whether the parameter of this (unwrapped or compiled) name is one of the blocks' hidden matrices (or experts)."""
     name = name.replace("_orig_mod.", "")
-    return name.startswith("layers.") and any(name.endswith(f"{m}.weight") for m in HIDDEN)
+    return name.startswith("layers.") and (any(name.endswith(f"{m}.weight") for m in HIDDEN)
+                                           or name.endswith(EXPERTS))
 
 
 def init_std(args, name: str) -> float | None:

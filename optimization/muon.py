@@ -17,6 +17,8 @@ all_to_all_single sends every rank's shard of each matrix to its owner, the owne
 orthogonalises the whole matrix, and a second all_to_all_single sends the shards back. A rank
 thus holds one full matrix at a time and does 1/W of the Newton-Schulz work; every rank sends
 and receives its own shards once each way per step (as much as a reduce-scatter of them).
+An MoE's routed experts are one 3-D parameter (n_experts, m, n): n_experts matrices, each
+orthogonalised on its own and stepped with its own (m, n) LR factor.
 """
 from __future__ import annotations
 
@@ -143,13 +145,18 @@ class MuonAdamW(torch.optim.Optimizer):
             updates.append(p.grad.lerp(buf, mu) if group["nesterov"] else buf)
 
         def ns(full: torch.Tensor) -> torch.Tensor:
-            return newton_schulz_for(full.device)(full, group["ns_coefficients"], group["ns_steps"], group["ns_eps"])
+            f = newton_schulz_for(full.device)
+            args = (group["ns_coefficients"], group["ns_steps"], group["ns_eps"])
+            if full.ndim == 3:  # an MoE's experts (n_experts, m, n): each expert's matrix on its own
+                return torch.stack([f(m, *args) for m in full])
+            return f(full, *args)
 
         local = self._orthogonalise(params, updates, ns)
         for p, o in zip(params, local):
             p.mul_(1 - lr * group["weight_decay"])
             target = p.to_local() if isinstance(p, DTensor) else p
-            target.add_(o.view(target.shape), alpha=-_adjust_lr(lr, ADJUST_LR_FN, p.shape))
+            # A 3-D parameter is n_experts matrices of shape p.shape[-2:]: the LR rule is each matrix's.
+            target.add_(o.view(target.shape), alpha=-_adjust_lr(lr, ADJUST_LR_FN, p.shape[-2:]))
 
     def _orthogonalise(self, params, updates, ns) -> list[torch.Tensor]:
         """Each update orthogonalised as a whole matrix; returns this rank's piece of each (local shape)."""

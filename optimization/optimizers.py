@@ -26,7 +26,7 @@ from optimization.muon import MuonAdamW, is_muon_matrix
 @dataclasses.dataclass
 class OptimConfig:
     name: Literal["adamw", "muon"] = "adamw"
-    """'adamw', or 'muon': Muon (muon.py) on the blocks' hidden matrices (attention.wq wk wv wo, feed_forward.w1 w2 w3), AdamW on embeddings, output and norms."""
+    """'adamw', or 'muon': Muon (muon.py) on the blocks' hidden matrices (attention.wq wk wv wo, feed_forward.w1 w2 w3, an MoE's experts each on its own), AdamW on embeddings, output, norms and an MoE's router."""
     lr: float = 1e-3
     """Peak learning rate of AdamW and of Muon (whose LR is scaled by 0.2 * sqrt(max(m, n)) per matrix to match AdamW's update RMS)."""
     schedule: Literal["cosine", "wsd", "linear"] = "cosine"

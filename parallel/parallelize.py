@@ -246,8 +246,9 @@ def copy_sharded(param: torch.Tensor, full: torch.Tensor) -> None:
 def materialize(model: Transformer, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
     """to_empty onto device (parameters on CPU when offloading), then init_weights(seed), shard by shard."""
     model.to_empty(device="cpu" if cpu_offload else device)
-    for name in ("rope_cos", "rope_sin"):  # buffers are not offloaded: compute needs them on the device
-        setattr(model, name, getattr(model, name).to(device))
+    for module in model.modules():  # buffers (RoPE, MoE biases) are not offloaded: compute needs them on the device
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, buf.to(device))
     model.init_weights(seed, copy_=copy_sharded)
 
 

@@ -14,6 +14,7 @@ saves with torch.save a dict:
 
     losses       [float]                 mean token loss of each step's global batch
     grad_norms   [float]                 pre-clip global gradient norm of each step
+    moe          [{str: float}]          an MoE model's train-record fields of each step (MoEStats.record)
     grads        [{name: Tensor}]        each step's full fp32 gradients, keyed by parameter name
     replicated   {name: float}           after the last step, for parameters replicated over
                                          "tp": the largest |difference| between TP ranks' copies
@@ -97,6 +98,8 @@ def run_job(argv: list[str]) -> None:
         step = train_step(s, s.loader.next_step(), after_backward=keep_grads)  # the loop's own step
         result["losses"].append(step.global_loss(loss_mesh(s.mesh).get_group()))
         result["grad_norms"].append(step.grad_norm.item())
+        if step.moe is not None:
+            result.setdefault("moe", []).append(step.moe.record(step.n_targets, loss_mesh(s.mesh).get_group()))
     if args.tp > 1:
         result["replicated"] = replica_spread(s.model, s.mesh["tp"])
     if rank == 0:

@@ -66,6 +66,8 @@ class Metrics:
                   "peak_mem_gib": peak_memory_gib(self.s.device), **self.s.loader.source_tokens()}
         if cfg.train.z_loss:
             record["z_loss"] = cfg.train.z_loss * z
+        if result.moe is not None:
+            record.update(result.moe.record(result.n_targets, self.loss_group))
         if result.skipped:
             record["skipped"] = True
             record["skip_reason"] = result.skipped

@@ -22,7 +22,7 @@ from config import Config
 from core.errors import SetupError
 from data import mixture_note
 from data_pipeline.tokenizer import same_tokenizer
-from model import Transformer
+from model import MOE_FIELDS, ModelArgs, Transformer
 from storage import fs
 from storage.rundir import CONFIG_FILE, RunDir
 
@@ -43,6 +43,7 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     saved = saved_config(path)  # read once: on a store every read is a request
     if saved.get("model"):  # saved before model.parametrization existed: it was sp
         saved["model"] = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, **saved["model"]}
+    check_same_experts(path, saved.get("model", {}), cfg.model.n_experts)
     # Fields first: they name what differs, where shapes could only list tensors.
     check_same_config(path, saved, "model", dataclasses.asdict(cfg.model))
     # The data cursor counts windows of seq_len among the train windows: another length or
@@ -141,6 +142,27 @@ def changed(saved: dict, section: str, current: dict) -> list[str]:
     old = saved.get(section, {})
     return [f"{section}.{k} {old[k]!r} -> {v!r}".replace("'", "") for k, v in current.items()
             if k in old and old[k] != (list(v) if isinstance(v, tuple) else v)]
+
+
+def check_same_experts(path: str, saved: dict, current: int) -> None:
+    """Raise CheckpointError when a mixture-of-experts checkpoint is resumed as a dense model or the reverse.
+
+    saved: the checkpoint's [model] section (without n_experts: saved dense, before MoE existed);
+    current: this run's model.n_experts. The message gives the flags of the checkpoint's model.
+    """
+    n = saved.get("n_experts", 0)
+    if bool(n) == bool(current):
+        return
+    if n:
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
+        flags = "".join(f" --model.{k} {str(saved[k]).lower() if isinstance(saved[k], bool) else saved[k]}"
+                        for k in MOE_FIELDS if k in saved and saved[k] != defaults[k])
+        raise CheckpointError(f"checkpoint '{path}' holds a mixture of experts (model.n_experts {n}), but this run is "
+                              f"a dense model (model.n_experts 0); pass --model.n_experts {n}{flags} to resume it, or "
+                              f"start a new --run_dir")
+    raise CheckpointError(f"checkpoint '{path}' holds a dense model (model.n_experts 0), but this run is a mixture of "
+                          f"experts (model.n_experts {current}); resume it without --model.n_experts and the other expert "
+                          f"options, or start a new --run_dir")
 
 
 def check_same_optimizer(path: str, saved: str, current: str) -> None:

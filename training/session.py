@@ -117,13 +117,23 @@ def parametrization_note(cfg) -> str:
     return f" ({m.parametrization}, base_dim {m.base_dim}{depth})"
 
 
+def params_description(m) -> str:
+    """'12.34M' for a dense model; '40.12M total, 12.34M active (MoE: 8 experts, top 2)' for a mixture of experts."""
+    total = f"{num_params(m) / 1e6:.2f}M"
+    if not m.n_experts:
+        return total
+    shared = f", {m.n_shared_experts} shared" if m.n_shared_experts else ""
+    return (f"{total} total, {num_params(m, active=True) / 1e6:.2f}M active (MoE: {m.n_experts} experts, top "
+            f"{m.experts_per_token}{shared})")
+
+
 def start_line(s: Session, fpt: float) -> str:
     """The one line a run prints when it starts: layout, model, corpus, attention and loss, where it starts from."""
     cfg, mesh = s.cfg, s.mesh
     start = (f"resumed from {s.resumed_from} at step {s.train_state.step}" if s.resumed_from else
              f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start")
     return (f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {s.device.type} {cfg.train.dtype} | "
-            f"params {num_params(cfg.model) / 1e6:.2f}M{parametrization_note(cfg)} | {fpt / 1e6:.1f} MFLOP/token | "
+            f"params {params_description(cfg.model)}{parametrization_note(cfg)} | {fpt / 1e6:.1f} MFLOP/token | "
             f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
             f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
             + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))

@@ -19,6 +19,7 @@ from checkpoint import TrainState
 from config import Config, compute_dtype
 from model import Transformer
 from nn.loss import applied_chunk_size, loss_context, token_loss_sums
+from nn.moe import MoE
 from optimization.optimizers import build_optimizer
 from optimization.spike import push, spike_reason
 from parallel import distributed, float8
@@ -26,8 +27,74 @@ from parallel.context_parallel import shard_batch
 from parallel.parallelize import TPPlan, build_model, dp_mesh, loss_mesh
 
 
+def moe_layers(model: torch.nn.Module) -> list[MoE]:
+    """The model's MoE feed-forwards (nn/moe.py), in layer order; [] for a dense model."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@dataclasses.dataclass
+class MoEStats:
+    """A step's MoE figures, summed over this rank's micro-batches (device tensors: no host sync).
+
+    After reduce(): counts are the global batch's, the same on every rank.
+    """
+
+    layers: list[MoE]
+    counts: torch.Tensor
+    """(MoE layers, n_experts) int64: tokens routed to each expert."""
+    aux_sum: torch.Tensor
+    """0-dim fp32: this rank's sum of the layers' aux_loss (coefficients applied; a token sum, see nn/moe.py)."""
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, device) -> MoEStats | None:
+        """Empty stats for model's MoE layers; None for a dense model."""
+        layers = moe_layers(model)
+        if not layers:
+            return None
+        return cls(layers, torch.zeros(len(layers), layers[0].n_experts, dtype=torch.int64, device=device),
+                   torch.zeros((), device=device))
+
+    def collect(self) -> torch.Tensor | None:
+        """Add the last forward's counts; return the layers' aux losses summed (with autograd), None if off."""
+        self.counts += torch.stack([m.counts for m in self.layers])
+        losses = [m.aux_loss for m in self.layers if m.aux_loss is not None]
+        if not losses:
+            return None
+        aux = torch.stack(losses).sum()
+        self.aux_sum += aux.detach()
+        return aux
+
+    def reduce(self, group) -> None:
+        """Sum the counts over group's ranks (the data-parallel ranks): every rank then holds the global counts."""
+        dist.all_reduce(self.counts, group=group)
+
+    def update_bias(self, rate: float) -> None:
+        """DeepSeek-V3's aux-loss-free update: each expert's bias += rate * sign(mean load - its load).
+
+        From the global counts (after reduce), so the bias is the same on every rank and at every layout.
+        """
+        with torch.no_grad():
+            for layer, c in zip(self.layers, self.counts.float()):
+                layer.expert_bias.add_(torch.sign(c.mean() - c), alpha=rate)
+
+    def record(self, n_targets: int, group) -> dict:
+        """The train record's MoE fields (collective over group; syncs): moe_max_load (the busiest expert's tokens
+        over the mean per expert, the largest over the MoE layers), moe_bias_range (largest minus smallest bias over
+        all layers), and moe_aux_loss (the aux and z losses as added to the objective, per token) when on."""
+        c = self.counts.float()
+        out = {"moe_max_load": (c.max(1).values / c.mean(1).clamp(min=1e-9)).max().item()}
+        bias = torch.cat([m.expert_bias for m in self.layers])
+        out["moe_bias_range"] = (bias.max() - bias.min()).item()
+        if any(m.aux_coef or m.z_coef for m in self.layers):
+            aux = self.aux_sum.clone()
+            dist.all_reduce(aux, group=group)
+            out["moe_aux_loss"] = aux.item() / n_targets
+        return out
+
+
 def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device, mesh: DeviceMesh,
-                     loss_chunk_size: int = 0, z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     loss_chunk_size: int = 0, z_loss: float = 0.0, moe: MoEStats | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward over this rank's micro-batches of one step; gradients accumulate.
 
     micro_batches: [(inputs, labels)], each (mb, seq_len) int64. loss_chunk_size: see
@@ -39,7 +106,8 @@ def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device,
     (context_parallel.shard_batch) and dp_size must count the CP ranks too
     (loss_mesh(mesh).size(): FSDP averages over them as well). Returns this rank's summed token
     cross-entropy and summed logsumexp^2 (0 without z_loss), 0-dim fp32 tensors on device (no
-    host sync).
+    host sync). moe: an MoE model's MoEStats, which gathers each micro-batch's expert counts; the
+    MoE layers' aux losses (token sums) join the objective, normalised as the cross-entropy.
     """
     loss_sum = torch.zeros((), device=device)
     z_total = torch.zeros((), device=device)
@@ -50,7 +118,8 @@ def forward_backward(model, micro_batches, n_targets: int, dp_size: int, device,
             inputs, labels, layout = shard_batch(model, inputs.to(device, non_blocking=True),
                                                  labels.to(device, non_blocking=True), mesh)
             objective, z_sum = token_loss_sums(model, inputs, labels, chunk, z_loss, layout)
-            (objective * (dp_size / n_targets)).backward()
+            aux = moe.collect() if moe is not None else None  # before backward: recomputation may run forward again
+            ((objective if aux is None else objective + aux) * (dp_size / n_targets)).backward()
         loss_sum += objective.detach() - z_loss * z_sum
         z_total += z_sum
     return loss_sum, z_total
@@ -117,6 +186,8 @@ class StepResult:
     """Under train.rollback: why the spike rule calls the step an outlier, whose update was applied ('' if none)."""
     mean_loss: float | None = None
     """global_loss, when the step already computed it (the spike guard needs it)."""
+    moe: MoEStats | None = None
+    """An MoE model's expert counts (global) and aux losses of the step; None for a dense model."""
 
     def global_losses(self, dp_group) -> tuple[float, float]:
         """(mean token cross-entropy, mean logsumexp^2) of the step's global batch (collective over dp_group; syncs)."""
@@ -162,17 +233,22 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     says why it is one), and a non-finite norm or the train.rollback_after-th outlier in a row
     raise Divergence, with nothing moved but the outlier count; the rollback goes back to
     before the first outlier, so the run is always one without the guard, with data skipped.
+    An MoE model's aux losses join the objective, and after an applied update its experts'
+    routing biases move from the step's global token counts (MoEStats; model.moe_bias_update_rate).
     """
     cfg, t = s.cfg, s.cfg.train
     # Every data-parallel rank holds an equal share of whole windows, and every label is a target (packed).
     n_targets = sum(len(inputs) for inputs, _ in micro_batches) * s.dp * cfg.data.seq_len
     lr = s.scheduler.get_last_lr()[0]
     ranks = loss_mesh(s.mesh).size()  # the data-parallel x CP ranks FSDP averages gradients over
+    moe = MoEStats.of(s.model, s.device)
     loss_sum, z_sum = forward_backward(s.model, micro_batches, n_targets, ranks, s.device, s.mesh, t.loss_chunk_size,
-                                       t.z_loss)
+                                       t.z_loss, moe)
     if after_backward is not None:
         after_backward(s.model)
-    result = StepResult(loss_sum, torch.zeros(()), lr, n_targets, z_sum)
+    if moe is not None:
+        moe.reduce(loss_mesh(s.mesh).get_group())
+    result = StepResult(loss_sum, torch.zeros(()), lr, n_targets, z_sum, moe=moe)
     veto = None
     if t.spike_skip:
         result.mean_loss = result.global_loss(loss_mesh(s.mesh).get_group())
@@ -189,6 +265,8 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
         s.train_state.outliers += 1
     if t.rollback:
         _check_divergence(s.train_state, result, t.rollback_after, finite)
+    if moe is not None and cfg.model.moe_bias_update_rate and not result.skipped:
+        moe.update_bias(cfg.model.moe_bias_update_rate)  # after the update it balances, as DeepSeek-V3
     if cfg.train.float8 == "tensorwise":  # the next step's float8 all-gathers use these weights' scales
         float8.precompute_scales(s.model)
     s.scheduler.step()

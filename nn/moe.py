@@ -1,0 +1,158 @@
+"""Mixture-of-experts feed-forward: a router, token-choice top-k, dropless, SwiGLU experts computed grouped.
+
+Every token goes to the k experts of highest score (plus the bias below), none is dropped
+(no capacity factor); its output is the weighted sum of those experts' SwiGLU outputs, plus
+the always-on shared experts' (DeepSeek-V3, Llama 4). Scores: softmax over the experts
+(Mixtral) or a sigmoid per expert (DeepSeek-V3); the k weights are optionally renormalised to
+sum to one (Mixtral's softmax over the top-k logits is the renormalised softmax).
+
+Balancing (docs/moe.md):
+- aux-loss-free (DeepSeek-V3, Wang et al. 2024 "Auxiliary-Loss-Free Load Balancing"): the
+  buffer ``expert_bias`` (n_experts,) is added to the scores for the top-k choice only, never
+  to the weights; the training step nudges it after each update from the global token counts
+  (``counts``, recorded by every forward) by gamma * sign(mean - count).
+- the Switch / Mixtral auxiliary loss (Fedus et al. 2021, eq. 4) in DeepSeek-V3's sequence-wise
+  form: per sequence, sum_i f_i P_i with f_i = E / (k T) * (tokens of the sequence choosing i)
+  and P_i the mean normalised score of expert i over the sequence's T tokens (1 when even).
+- router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): logsumexp of the router logits, squared.
+Both losses are kept as sums over tokens (a sequence's balance loss counted T times), so the
+step divides them by the global token count as it does the cross-entropy: the result is the
+mean over sequences, whatever the data-parallel layout. ``aux_loss`` holds the coefficients'
+weighted sum of the last forward, with autograd, for the step to add to the objective.
+
+The routed experts are 3-D parameters: w1, w3 (n_experts, expert_ffn_dim, dim), w2
+(n_experts, dim, expert_ffn_dim). Tokens are sorted by expert and each projection is one
+grouped matmul: torch._grouped_mm on CUDA in bf16 where it exists, else a loop over the
+experts with the same math (chosen by device, as optimization/muon.py chooses its Newton-Schulz).
+Layer 1: imports torch only; no distributed code.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SCORES = ("softmax", "sigmoid")
+
+
+def grouped_mm_for(x: Tensor):
+    """The grouped matmul for tokens x: torch._grouped_mm on CUDA in bf16 where torch has it, else the loop.
+
+    Both compute out[rows of group e] = x[rows of group e] @ w[e].T; the loop asks the host for
+    the group sizes (a sync), the grouped kernel takes their offsets on the device.
+    """
+    if x.device.type == "cuda" and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return grouped_mm_cuda
+    return grouped_mm_loop
+
+
+def grouped_mm_loop(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """x (tokens, n) sorted by group, w (groups, m, n), counts (groups,) int64 summing to tokens -> (tokens, m)."""
+    pieces = [xe @ w[e].T for e, xe in enumerate(x.split(counts.tolist()))]
+    return torch.cat(pieces) if pieces else x.new_zeros(0, w.shape[1])
+
+
+def grouped_mm_cuda(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """grouped_mm_loop's result by one torch._grouped_mm (bf16, Hopper and newer), with no host sync."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU experts held as 3-D parameters (FeedForward's math per expert)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """x (tokens, dim) sorted by expert, counts (n_experts,) tokens per expert -> (tokens, dim)."""
+        mm = grouped_mm_for(x)
+        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        return mm(F.silu(mm(x, w1, counts)) * mm(x, w3, counts), w2, counts)
+
+
+class SharedExperts(nn.Module):
+    """The always-on experts, fused into one SwiGLU MLP of width n_shared_experts * expert_ffn_dim (DeepSeek-V3)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward: x (batch, seq, dim) -> (batch, seq, dim), with ``aux_loss`` and ``counts`` recorded.
+
+    After each forward: ``counts`` (n_experts,) int64, the tokens routed to each expert (no
+    autograd); ``aux_loss`` a 0-dim fp32 tensor with autograd, aux_coef * (sum over sequences
+    of seq_len * balance loss) + z_coef * (sum over tokens of logsumexp(router logits)^2), or
+    None when both coefficients are 0.
+    """
+
+    def __init__(self, dim: int, n_experts: int, experts_per_token: int, expert_ffn_dim: int,
+                 n_shared_experts: int = 0, score: str = "softmax", renormalize: bool = True,
+                 aux_coef: float = 0.0, z_coef: float = 0.0):
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
+        self.n_experts, self.top_k, self.score, self.renormalize = n_experts, experts_per_token, score, renormalize
+        self.aux_coef, self.z_coef = aux_coef, z_coef
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(n_experts, dim, expert_ffn_dim)
+        self.shared_experts = SharedExperts(dim, n_shared_experts * expert_ffn_dim) if n_shared_experts else None
+        # Persistent: the bias is training state, saved and resumed with the weights.
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.counts: Tensor | None = None
+        self.aux_loss: Tensor | None = None
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(expert ids (tokens, k) int64, weights (tokens, k), scores (tokens, E), router logits (tokens, E)) of x
+        (tokens, dim); the last three in fp32 (fp64 for an fp64 x)."""
+        logits = self.router(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        # The bias steers the choice only; the weights are the unbiased scores of the chosen experts.
+        ids = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return ids, weights, scores, logits
+
+    def forward(self, x: Tensor) -> Tensor:
+        bsz, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        ids, weights, scores, logits = self.route(flat)
+        choice = ids.flatten()  # (tokens * k): token t's j-th expert at t * k + j
+        counts = torch.bincount(choice, minlength=self.n_experts)
+        order = torch.argsort(choice, stable=True)
+        routed = self.experts(flat[order // self.top_k], counts)  # (tokens * k, dim), sorted by expert
+        out = torch.empty_like(routed)
+        out[order] = routed  # back to (token, j) order: a deterministic sum below, no scatter-add
+        y = (out.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        self.counts = counts.detach()
+        self.aux_loss = self._losses(ids, scores, logits, bsz, seq)
+        return y.view(bsz, seq, dim)
+
+    def _losses(self, ids: Tensor, scores: Tensor, logits: Tensor, bsz: int, seq: int) -> Tensor | None:
+        """aux_coef * sequence-wise balance loss summed over tokens + z_coef * router z-loss summed over tokens."""
+        total = None
+        if self.aux_coef:
+            e, k = self.n_experts, self.top_k
+            chosen = torch.zeros(bsz * seq, e, dtype=scores.dtype, device=ids.device).scatter_(1, ids, 1.0).view(bsz, seq, e)
+            f = chosen.sum(1) * (e / (k * seq))  # (batch, E): no gradient, as in Switch
+            p = scores / scores.sum(-1, keepdim=True) if self.score == "sigmoid" else scores
+            p = p.view(bsz, seq, e).mean(1)  # (batch, E)
+            total = self.aux_coef * seq * (f * p).sum()
+        if self.z_coef:
+            z = self.z_coef * torch.logsumexp(logits, dim=-1).square().sum()
+            total = z if total is None else total + z
+        return total

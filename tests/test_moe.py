@@ -1,0 +1,341 @@
+"""Mixture of experts (nn/moe.py): the layer against a per-token reference, the dense model unchanged bit for bit,
+both balancing methods against a skewed router, Muon per expert, active parameters, 1 rank vs FSDP 2, and the
+combinations that are refused until they are built."""
+import hashlib
+import os
+import shutil
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf
+import train_2d
+import train_fsdp
+from launch import DEBUG, debug_run, metrics, prepared_data_dir, refused, torchrun
+from model import ModelArgs, Transformer, flops_per_token, num_params
+from nn.moe import MoE
+from optimization.muon import MuonAdamW
+from parallel import distributed
+from test_muon import newton_schulz_reference
+from test_parametrization import LEGACY, LEGACY_FLAGS
+from training.step import MoEStats
+
+TINY = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=48, max_seq_len=16)
+MOE = ["--model.n_experts", "4", "--model.experts_per_token", "2"]
+
+
+def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer written out token by token: scores, top-k of scores + bias, each chosen expert's SwiGLU weighted."""
+    rows = []
+    for t in x.reshape(-1, x.shape[-1]):
+        logits = moe.router.weight @ t
+        scores = logits.softmax(-1) if moe.score == "softmax" else logits.sigmoid()
+        chosen = sorted(range(moe.n_experts), key=lambda e: -(scores[e] + moe.expert_bias[e]).item())[:moe.top_k]
+        weights = [scores[e] for e in chosen]
+        total = sum(weights)
+        out = torch.zeros_like(t)
+        for e, w in zip(chosen, weights):
+            w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+            out = out + (w / total if moe.renormalize else w) * (w2 @ (F.silu(w1 @ t) * (w3 @ t)))
+        if moe.shared_experts is not None:
+            s = moe.shared_experts
+            out = out + s.w2.weight @ (F.silu(s.w1.weight @ t) * (s.w3.weight @ t))
+        rows.append(out)
+    return torch.stack(rows).view_as(x)
+
+
+def tiny_moe(score="softmax", shared=0, renormalize=True, seed=0, **kw) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(8, 4, 2, 6, shared, score, renormalize, **kw).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    moe.expert_bias.copy_(torch.tensor([0.0, 0.3, -0.2, 0.1]))  # the bias steers the choice, never the weights
+    return moe
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_matches_the_per_token_reference(score, shared, renormalize):
+    moe = tiny_moe(score, shared, renormalize)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    got = moe(x)
+    want = reference_moe(moe, x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert moe.counts.sum().item() == 10 * 2
+    g = torch.randn_like(got)
+    params = [x, *moe.parameters()]
+    grads = torch.autograd.grad((got * g).sum(), params)
+    want_grads = torch.autograd.grad((want * g).sum(), params)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_every_expert_path_computes_the_same_when_some_experts_get_no_token():
+    moe = tiny_moe()
+    moe.expert_bias.copy_(torch.tensor([10.0, 10.0, -10.0, -10.0]))  # experts 2 and 3 idle
+    x = torch.randn(1, 3, 8, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-6)
+    assert moe.counts.tolist() == [3, 3, 0, 0]
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for k, v in tensors:
+        h.update(k.encode())
+        h.update(v.numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_n_experts_0_is_the_dense_model_bit_for_bit():
+    # Digests of this seed-fixed build from the code before MoE existed (commit 631cb78).
+    m = Transformer(ModelArgs(**TINY))
+    m.init_weights(seed=7)
+    assert _digest(m.state_dict().items()) == "119a9a94287f14e3a3695b95ffb4e1b19bae3478e75113422bf3cf36a6f13656"
+    tokens = torch.arange(16).view(2, 8) * 3 % 64
+    assert hashlib.sha256(m(tokens).detach().numpy().tobytes()).hexdigest() == \
+        "0060065ccbc91e85d38bdcb83b92e34f35deedbefcc4a491dd1682bd83b58fe6"
+
+
+def test_moe_init_covers_parameters_and_bias_deterministically():
+    args = ModelArgs(**TINY, n_experts=4, experts_per_token=2, n_shared_experts=1, moe_first_dense=1)
+    a = Transformer(args)
+    a.init_weights(seed=3)
+    with torch.device("meta"):
+        b = Transformer(args)
+    b.to_empty(device="cpu")
+    b.init_weights(seed=3)
+    assert a.state_dict().keys() == b.state_dict().keys()
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k]), k
+    assert "layers.0.feed_forward.w1.weight" in a.state_dict()  # moe_first_dense 1
+    assert a.layers[1].feed_forward.experts.w1.shape == (4, 48, 32)
+    assert a.layers[1].feed_forward.experts.w1.std().item() == pytest.approx(0.02, rel=0.1)
+    assert a.layers[1].feed_forward.experts.w2.std().item() == pytest.approx(0.02 / 2, rel=0.1)  # 1/sqrt(2 L)
+    assert torch.equal(a.layers[1].feed_forward.expert_bias, torch.zeros(4))
+
+
+def test_active_parameters_and_flops_count_the_routed_experts_a_token_uses():
+    args = ModelArgs(**TINY, n_experts=4, experts_per_token=2, expert_ffn_dim=24, n_shared_experts=1,
+                     moe_first_dense=1)
+    model = Transformer(args)
+    assert num_params(args) == sum(p.numel() for p in model.parameters())
+    idle = 2 * 3 * 32 * 24  # 2 of 4 routed experts, one MoE layer
+    assert num_params(args, active=True) == num_params(args) - idle
+    dense = ModelArgs(**TINY)
+    assert flops_per_token(args, 16) - flops_per_token(dense, 16) == 6 * (
+        num_params(args, active=True) - num_params(dense))
+
+
+def _skewed_layer(**kw) -> tuple[MoE, torch.Tensor]:
+    """A layer whose router sends most tokens of x to expert 0 (x shares one direction the router favours)."""
+    torch.manual_seed(0)
+    moe = MoE(16, 8, 2, 8, **kw)
+    direction = torch.randn(16)
+    x = torch.randn(4, 64, 16) * 0.5 + direction
+    with torch.no_grad():
+        moe.router.weight.normal_(std=0.1)
+        moe.router.weight[0] += direction * 0.5
+    return moe, x
+
+
+def _max_load(counts: torch.Tensor) -> float:
+    return (counts.max() / counts.float().mean()).item()
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.003])
+def test_the_bias_update_evens_out_a_skewed_router(rate):
+    moe, x = _skewed_layer(score="sigmoid")
+    model = torch.nn.Sequential(moe)
+    with torch.no_grad():
+        model(x)
+        start = _max_load(moe.counts)
+        for _ in range(200):
+            stats = MoEStats.of(model, "cpu")
+            model(x)
+            stats.collect()
+            stats.update_bias(rate)
+    assert start > 2.5
+    if rate:
+        assert _max_load(moe.counts) < 1.3
+    else:
+        assert _max_load(moe.counts) == start
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.1])
+def test_the_aux_loss_evens_out_a_skewed_router(coef):
+    moe, x = _skewed_layer(aux_coef=coef, z_coef=1e-3)
+    opt = torch.optim.Adam(moe.router.parameters(), lr=1e-2)
+    moe(x)
+    start = _max_load(moe.counts)
+    for _ in range(100):
+        moe(x)
+        opt.zero_grad()
+        (moe.aux_loss / x.shape[:2].numel()).backward()
+        opt.step()
+    moe(x)
+    assert start > 2.5
+    assert (_max_load(moe.counts) < 1.3) == bool(coef), _max_load(moe.counts)
+
+
+def test_the_aux_loss_is_the_per_sequence_balance_loss_summed_over_tokens():
+    moe = tiny_moe(aux_coef=1.0)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    moe(x)
+    want = 0.0
+    for seq in x:  # Switch's f_i P_i per sequence (DeepSeek-V3's sequence-wise form), times its 5 tokens
+        probs = (seq @ moe.router.weight.T).softmax(-1)
+        top = (probs + moe.expert_bias).topk(2).indices
+        f = torch.zeros(4, dtype=torch.float64).index_add_(0, top.flatten(), torch.ones(10, dtype=torch.float64))
+        want += 5 * ((4 / (2 * 5)) * f * probs.mean(0)).sum().item()
+    assert moe.aux_loss.item() == pytest.approx(want, rel=1e-9)
+
+
+def test_muon_orthogonalises_each_expert_on_its_own():
+    torch.manual_seed(0)
+    w = torch.randn(3, 6, 4)
+    grads = [torch.randn(3, 6, 4) for _ in range(2)]
+    p = torch.nn.Parameter(w.clone())
+    opt = MuonAdamW([{"params": [p], "muon": True, "weight_decay": 0.1}], lr=0.02)
+    refs = [torch.nn.Parameter(w[e].clone()) for e in range(3)]
+    with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz",
+                           lambda g, c, s, eps: newton_schulz_reference(g, torch.float32, c, s, eps)):
+        ref_opt = torch.optim.Muon(refs, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+            for e, r in enumerate(refs):
+                r.grad = g[e].clone()
+            ref_opt.step()
+    torch.testing.assert_close(p.detach(), torch.stack([r.detach() for r in refs]), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- refusals, before any collective
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--model.experts_per_token", "2"], "model.experts_per_token apply only to a mixture of experts"),
+    (["--model.moe_score", "softmax", "--model.moe_aux_loss", "0.01"],
+     "model.moe_score, model.moe_aux_loss apply only to a mixture of experts"),
+    (["--model.n_experts", "4", "--model.experts_per_token", "5"],
+     "model.experts_per_token must be in 1..model.n_experts (4), got 5"),
+    (["--model.n_experts", "4"], "model.experts_per_token must be in 1..model.n_experts (4), got 0"),
+    ([*MOE, "--model.expert_ffn_dim", "-1"], "model.expert_ffn_dim must be >= 0 (0: model.ffn_dim), got -1"),
+    ([*MOE, "--model.moe_score", "relu"], "model.moe_score must be one of softmax, sigmoid, got 'relu'"),
+    ([*MOE, "--model.moe_first_dense", "4"], "model.moe_first_dense must be in 0..model.n_layers-1 (3), got 4"),
+    ([*MOE, "--parallel.cp", "2"], "model.n_experts 4 (mixture of experts) does not run with parallel.cp 2 yet"),
+    ([*MOE, "--train.float8", "tensorwise"], "does not run with train.float8 tensorwise yet"),
+    ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf loads a dense Hugging Face Llama, and model.n_experts "
+                                                "is 4: mixture-of-experts import is not supported yet; drop "
+                                                "--init_from_hf"),
+])
+def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys, argv, msg):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv], capsys)
+    assert msg in line, line
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):
+    from config import parse_config
+    from core.errors import ConfigError
+    from training.command import check_run
+
+    with pytest.raises(ConfigError, match="set --model.n_experts .and --model.experts_per_token., or drop them"):
+        parse_config(["--config", DEBUG, "--model.n_shared_experts", "1"])
+    assert parse_config(["--config", DEBUG, "--model.n_shared_experts", "1", *MOE]).model.n_shared_experts == 1
+    assert parse_config(["--config", DEBUG]).model.n_experts == 0
+    # --init_from_hf refused with MoE: dropped as printed, the same command passes every check.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_run(parse_config(["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MOE]), 1)
+
+
+def test_moe_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
+                                       *MOE], capsys)
+    assert "model.n_experts 4 (mixture of experts) does not run with parallel.tp 2 yet" in line, line
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """A finished 2-step MoE run (1 rank) with its checkpoint."""
+    rd = tmp_path_factory.mktemp("moe")
+    prepared_data_dir(rd)
+    debug_run(1, rd, "--train.steps", "2", "--checkpoint.interval", "2", "--train.val_interval", "0", *MOE,
+              "--model.n_shared_experts", "1")
+    return rd
+
+
+def _snapshot(rd):
+    return sorted((str(p), p.stat().st_mtime_ns) for p in rd.rglob("*") if p.name != ".lock")
+
+
+@pytest.mark.slow
+def test_moe_train_records_carry_the_load_and_the_bias_range(moe_run):
+    recs = [r for r in metrics(moe_run) if "loss" in r]
+    assert len(recs) == 2 and all(r["moe_max_load"] >= 1 and r["moe_bias_range"] >= 0 for r in recs)
+
+
+@pytest.mark.slow
+def test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused(moe_run, tmp_path):
+    # MoE saved, resumed dense: refused naming both; the printed flags resume it.
+    before = _snapshot(moe_run)
+    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(moe_run), "--train.steps", "3",
+                    "--train.val_interval", "0", check=False)
+    err = next((line for line in proc.stderr.splitlines() if line.startswith("error: ")), proc.stderr[-2000:])
+    assert proc.returncode != 0 and "holds a mixture of experts (model.n_experts 4), but this run is a dense model " \
+        "(model.n_experts 0); pass --model.n_experts 4 --model.experts_per_token 2 --model.n_shared_experts 1 to " \
+        "resume it" in err, proc.stderr[-2000:]
+    assert _snapshot(moe_run) == before
+    flags = err.split("; pass ")[1].split(" to resume it")[0].split()
+    torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(moe_run), "--train.steps", "3",
+             "--train.val_interval", "0", *flags)
+    assert [r["step"] for r in metrics(moe_run) if "loss" in r] == [1, 2, 3]
+    # A dense checkpoint written before MoE existed, resumed as an MoE: refused naming both (it resumes dense:
+    # test_parametrization.py's legacy test).
+    rd = tmp_path / "legacy"
+    shutil.copytree(LEGACY, rd)
+    for f in ("config.toml", "checkpoints/step_00000003/config.toml", "data/meta.json"):  # the run moved here
+        (rd / f).write_text((rd / f).read_text().replace("/tmp/legacy_run", str(rd)))
+    before = _snapshot(rd)
+    proc = torchrun(1, "train_fsdp.py", "--run_dir", str(rd), *LEGACY_FLAGS, *MOE, check=False)
+    assert proc.returncode != 0 and "holds a dense model (model.n_experts 0), but this run is a mixture of experts " \
+        "(model.n_experts 4); resume it without --model.n_experts" in proc.stderr, proc.stderr[-2000:]
+    assert _snapshot(rd) == before
+
+
+@pytest.mark.slow
+def test_hf_export_of_an_moe_run_is_refused(moe_run, tmp_path, capsys):
+    line = refused(hf.main, ["export", "--run_dir", str(moe_run), "--out", str(tmp_path / "out")], capsys)
+    assert "is a mixture of experts (model.n_experts 4); hf.py export writes Llama models only" in line
+    assert not os.path.exists(tmp_path / "out") or not os.listdir(tmp_path / "out")
+
+
+# ---------------------------------------------------------------- layouts
+
+MUON = ["--optim.name", "muon"]
+MOE_LOSSES = [*MOE, "--model.expert_ffn_dim", "96", "--model.n_shared_experts", "1", "--model.moe_aux_loss", "0.01",
+              "--model.moe_router_z_loss", "0.001", "--model.moe_bias_update_rate", "0.01"]
+
+
+MOE_LAYOUTS = [([], []), ([], ["--train.activation_checkpointing", "full"]), (MUON, MUON)]
+"""(1-rank flags, FSDP-2 flags) beside MOE_LOSSES: plain, recomputed activations on 2 ranks, Muon on both."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("one_flags, two_flags", MOE_LAYOUTS, ids=["fsdp2", "fsdp2-ac", "muon"])
+def test_moe_losses_equal_at_1_rank_and_fsdp_2(worker, one_flags, two_flags):
+    worker.prefetch([(1, 1, *MOE_LOSSES, *a) for a, _ in MOE_LAYOUTS] + [(2, 1, *MOE_LOSSES, *b) for _, b in MOE_LAYOUTS])
+    one, two = worker(1, 1, *MOE_LOSSES, *one_flags), worker(2, 1, *MOE_LOSSES, *two_flags)
+    assert one["losses"] == pytest.approx(two["losses"], rel=1e-5, abs=0)
+    for a, b in zip(one["moe"], two["moe"]):
+        assert a.keys() == b.keys() == {"moe_max_load", "moe_bias_range", "moe_aux_loss"}
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-9), k
+    assert one["moe"][-1]["moe_bias_range"] > 0  # the bias moved, from the global counts
