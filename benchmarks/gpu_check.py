@@ -18,6 +18,8 @@ Checks (each prints one PASS/FAIL line with its figures), in this order (CHECKS)
   float8    two bf16 steps of a 1024-dim model with train.float8 tensorwise and rowwise vs bf16:
             losses within 2e-2 relative (and not equal), every block Linear converted
   snapshot  train.profile_steps' trace and CUDA memory snapshot of one step: written, unpickled, drawn
+  moe       the MoE experts' torch._grouped_mm (bf16) vs the loop over experts, forward and backward: within
+            1e-2 of the largest value, with empty experts; and both times
   speed     llama3_1b, compiled, seq 2048 and 8192 x bf16, float8 tensorwise, float8 rowwise x full
             and chunked loss: tokens/s, MFU against 989 TFLOP/s, peak memory (gpu_speed.py)
   goals     over the speed rows: bf16 MFU >= 45%, float8 tensorwise >= 1.2x bf16 tokens/s
@@ -176,6 +178,46 @@ def check_chunked(device) -> tuple[bool, str]:
                          f"{chunk_gib:.2f} GiB ({chunk_gib / full_gib:.2f}x); loss relative difference {rel:.1e}")
 
 
+def check_moe(device) -> tuple[bool, str]:
+    """The MoE experts' grouped matmul (torch._grouped_mm, bf16) against the loop over experts, forward and backward,
+    with empty experts and group sizes that are not multiples of 16; and their times (median of 20 after 3)."""
+    from nn import moe
+
+    if not hasattr(torch, "_grouped_mm"):
+        return False, f"torch {torch.__version__} has no torch._grouped_mm"
+    gen = torch.Generator(device=device).manual_seed(0)
+    n_experts, dim, hidden = 8, 1024, 2048
+    counts = torch.tensor([700, 0, 333, 1, 0, 2048, 97, 917], device=device)
+    x = torch.randn(int(counts.sum()), dim, device=device, generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(n_experts, hidden, dim, device=device, generator=gen, dtype=torch.bfloat16) / dim ** 0.5
+    grad = torch.randn(len(x), hidden, device=device, generator=gen, dtype=torch.bfloat16)
+
+    def run(fn):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xs, ws, counts)
+        out.backward(grad)
+        return out, xs.grad, ws.grad
+
+    def timed(fn):
+        times = []
+        for i in range(23):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            run(fn)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return sorted(times[3:])[10] * 1e3
+
+    assert moe.grouped_mm_for(x) is moe.grouped_mm_cuda
+    got, want = run(moe.grouped_mm_cuda), run(moe.grouped_mm_loop)
+    diffs = [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-9)).item()
+             for a, b in zip(got, want)]
+    ok = max(diffs) <= 1e-2
+    return ok, (f"{n_experts} experts, {len(x)} tokens (two experts empty), {dim} -> {hidden}, bf16: max diff / max "
+                f"out {diffs[0]:.1e}, dx {diffs[1]:.1e}, dw {diffs[2]:.1e} (need <= 1e-2); forward + backward "
+                f"{timed(moe.grouped_mm_cuda):.2f} ms grouped vs {timed(moe.grouped_mm_loop):.2f} ms loop")
+
+
 CHECKS: list[Check] = [
     Check("nccl", lambda a: "nccl: all_reduce of a CUDA tensor over backend 'cpu:gloo,cuda:nccl' (world 1)",
           lambda c: check_nccl(c.device)),
@@ -196,6 +238,8 @@ CHECKS: list[Check] = [
     Check("snapshot", lambda a: "snapshot: debug model, bf16, one step under the loop's profiler: trace and memory "
                                 "snapshot written, unpickled, drawn", lambda c: gpu_train_checks.check_snapshot(
                                     c.device, c.mesh)),
+    Check("moe", lambda a: "moe: the experts' torch._grouped_mm vs the loop over experts, bf16, forward and backward, "
+                           "empty experts", lambda c: check_moe(c.device)),
     Check("speed", lambda a: gpu_speed.plan(a.steps), lambda c: gpu_speed.check_speed(c.args.steps, c.mesh,
                                                                                         c.device)),
     Check("goals", lambda a: "goals: over the speed rows (needs speed): bf16 MFU >= 45%, float8 tensorwise >= "

@@ -14,7 +14,7 @@ def test_dry_run_prints_one_line_per_check_and_every_speed_row(capsys):
     assert gpu_check.main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.rstrip().splitlines()
     assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == gpu_check.NAMES
-    assert gpu_check.NAMES == ["nccl", "bf16", "flex", "chunked", "cp", "offload", "float8", "snapshot", "speed", "goals"]
+    assert gpu_check.NAMES == ["nccl", "bf16", "flex", "chunked", "cp", "offload", "float8", "snapshot", "moe", "speed", "goals"]
     speed = next(line for line in lines if line.startswith("speed:"))
     assert "llama3_1b" in speed and "10 timed steps" in speed
     rows = [line.strip() for line in lines if line.startswith("  speed row: ")]
