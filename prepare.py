@@ -35,7 +35,7 @@ from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
 from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
-from data_pipeline.sources import check_source, iter_documents, source_units, txt_notice
+from data_pipeline.sources import check_source, iter_documents, source_files, source_units, txt_notice
 from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
 from observability.progress import duration
 from parallel import distributed
@@ -220,7 +220,9 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
         src, parts = by_name[name], os.path.join(work, PARTS, name)
         counts = sorted(c for rank_counts in agree(lambda: tokenize_mine(src, parts)) for c in rank_counts)
         record = agree(lambda: _join_source(src, work, parts, file, counts, meta["dtype"]) if rank == 0 else None)[0]
-        meta["sources"][name] = record
+        meta["sources"][name] = {**record, "files": plan["files"][name]} if plan["files"].get(name) else record
+        if rank == 0 and src.max_documents and record["n_documents"] < src.max_documents:
+            _say_cap(src, "tokenized", record["n_documents"])
     agree(lambda: _finish_prepare(out_dir, tmp, work, meta, plan["changed"]) if rank == 0 else None)
     meta = {**meta, "tokenizer": os.path.join(out_dir, "tokenizer.json")}
     records = [meta["sources"][name] for name in by_name]
@@ -246,6 +248,7 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
 
     Checks an earlier preparation against cfg, or starts a new one in tmp with the tokenizer.
     """
+    check_source(cfg)  # a path that matches nothing, or blank text, before a tokenizer is trained on it
     meta_path = os.path.join(out_dir, "meta.json")
     wanted_tok = cfg.prepared_settings()["tokenizer"]
     if os.path.exists(meta_path):
@@ -269,12 +272,16 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
     meta.setdefault("dtype", token_dtype(meta["vocab_size"]))  # of the files written from now on
     with open(os.path.join(work, "tokenizer.json"), "rb") as f:
         tokenizer_hash = hashlib.sha1(f.read()).hexdigest()
-    todo, changed = [], work == tmp
+    todo, changed, files = [], work == tmp, {}
     for src in cfg.source_list():
         record = meta["sources"].get(src.name)
         if record is not None and record["config"] != src.reading():
             raise _other_settings(out_dir, _changed(record["config"], src.reading(), src.field),
                                   "" if src.name == DEFAULT_SOURCE else "another source name, ")
+        files[src.name] = _files_record(src)
+        if record is not None and record.get("files") and files[src.name] and \
+                record["files"]["digest"] != files[src.name]["digest"]:
+            raise _source_changed(src, out_dir, record["files"], files[src.name])
         same = [r for r in meta["sources"].values() if r["config"] == src.reading()]
         if record is None and same:  # prepared under another name: the same tokens
             meta["sources"][src.name], changed = same[0], True
@@ -284,17 +291,47 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
             todo.append((src.name, os.path.join("sources", f"{src.name}-{key}.bin")))
             os.makedirs(os.path.join(work, PARTS, src.name))
             changed = True
-        _say_cap(src, "tokenizing" if record is None and not same else "prepared")
+        _say_cap(src, "tokenizing" if record is None and not same else "prepared",
+                 (record or (same[0] if same else {})).get("n_documents"))
         notice = txt_notice(src) if record is None and not same else ""
         if notice:
             print(f"[data] notice: {notice}", flush=True)
-    return {"work": work, "meta": meta, "todo": todo, "changed": changed}
+    return {"work": work, "meta": meta, "todo": todo, "changed": changed, "files": files}
 
 
-def _say_cap(src, verb: str) -> None:
+def _files_record(src) -> dict | None:
+    """What a local source's tokens are made from: {"n", "bytes", "digest" of the paths and sizes}; None for stdlib
+    and hub datasets. Sizes, not modification times: a copy or a sync that keeps the text must not read as a change."""
+    found = source_files(src)
+    if found is None:
+        return None
+    listing = [(path, size) for path, size, _ in found]
+    return {"n": len(listing), "bytes": sum(size for _, size in listing),
+            "digest": hashlib.sha1(json.dumps(listing).encode()).hexdigest()}
+
+
+def _source_changed(src, out_dir: str, then: dict, now: dict) -> DataError:
+    def files(r):
+        return f"{r['n']} file{'s' if r['n'] != 1 else ''}, {r['bytes']:,} bytes"
+
+    return DataError(f"{src.field('dataset')}: '{src.dataset}' changed since it was tokenized into '{out_dir}' "
+                     f"({files(then)} then, {files(now)} now), so its prepared tokens are stale; move '{out_dir}' away "
+                     f"and run again to tokenize it anew (a run with checkpoints: a new --run_dir with --data.tokenizer "
+                     f"{os.path.join(out_dir, 'tokenizer.json')} keeps their tokenizer)")
+
+
+def _say_cap(src, verb: str, n_documents: int | None = None) -> None:
+    """The source's line: what is done with it, and what data.max_documents keeps of it (n_documents: its count, when
+    known, so that a source smaller than the cap is not said to be cut)."""
     field = "data.max_documents" if src.name == DEFAULT_SOURCE else \
         f"{src.field('max_documents')}, or data.max_documents when the table leaves it out"
-    cap = f": its first {src.max_documents:,} documents only ({field}; 0 reads all)" if src.max_documents else ""
+    cap = ""
+    if src.max_documents and n_documents is not None and n_documents < src.max_documents:
+        cap = f": all its {n_documents:,} documents (fewer than {field.split(',')[0]} {src.max_documents:,})"
+    elif src.max_documents and n_documents is not None:
+        cap = f": its first {src.max_documents:,} documents only ({field}; 0 reads all)"
+    elif src.max_documents:
+        cap = f": at most its first {src.max_documents:,} documents ({field}; 0 reads all)"
     print(f"[data] source '{src.name}' ({src.dataset}) {verb}{cap}", flush=True)
 
 

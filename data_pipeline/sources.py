@@ -18,7 +18,7 @@ import sysconfig
 from typing import Callable, Iterator
 
 from core.errors import require
-from data import DataConfig, DataError, SourceConfig
+from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig
 from data_pipeline.filesplit import (
     COMPRESSED,
     KINDS,
@@ -73,7 +73,45 @@ def check_source(cfg: DataConfig) -> None:
     """
     for src in cfg.source_list():
         if src.dataset != "stdlib" and _looks_local(src.dataset):
-            _check_compression(src, _local_files(os.path.expanduser(src.dataset), src.field("dataset")))
+            files = _local_files(os.path.expanduser(src.dataset), src.field("dataset"))
+            _check_compression(src, files)
+            _check_not_blank(src, files)
+
+
+BLANK_CHECK_BYTES = 1 << 20
+"""Plain files up to this size in all are read by check_source to refuse a source of blank text before any work."""
+
+
+def _check_not_blank(src: SourceConfig, files: list[str]) -> None:
+    """DataError when every file of src is plain (uncompressed) and holds only whitespace (empty files included).
+
+    Larger sources are left to the preparation, which refuses a source without a document too,
+    after the tokenizer: a tokenizer trained on nothing is minutes wasted and a confusing error.
+    """
+    if any(file_kind(f)[1] for f in files) or sum(os.path.getsize(f) for f in files) > BLANK_CHECK_BYTES:
+        return
+    for f in files:
+        with open(f, "rb") as fh:
+            if fh.read().strip():
+                return
+    what = f"'{files[0]}' is" if len(files) == 1 else f"its {len(files)} files are"
+    raise DataError(f"{src.field('dataset')}: '{src.dataset}' holds no text ({what} empty or whitespace); point it "
+                    f"at real text" + ("" if src.name == DEFAULT_SOURCE else " or remove the source"))
+
+
+def source_files(src: SourceConfig) -> list[tuple[str, int, int]] | None:
+    """(path, size in bytes, mtime in ns) of each local file of src, sorted; None for stdlib and hub datasets.
+
+    What a prepared source's tokens were made from (prepare records it), so that a file that
+    grew or changed afterwards is noticed instead of its stale tokens being reused.
+    """
+    if src.dataset == "stdlib" or not _looks_local(src.dataset):
+        return None
+    try:
+        files = _local_files(os.path.expanduser(src.dataset), src.field("dataset"))
+    except DataError:
+        return None
+    return [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
 
 
 def _check_compression(src: SourceConfig, files: list[str]) -> None:

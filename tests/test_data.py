@@ -449,3 +449,47 @@ def test_one_big_file_under_torchrun_equals_one_process_and_its_one_unit_reading
             assert data.read_meta(str(rd / "data"))["sources"]["default"]["work_units"] >= 4
             streams.append(open(source_file(rd / "data"), "rb").read())
         assert streams[0] == streams[1] == reference.getvalue(), kind
+
+
+PARAGRAPH = "the quick brown fox jumps over the lazy dog while the cat sleeps on a mat by the door\n\n"
+
+
+def test_a_blank_txt_is_refused_before_a_tokenizer_is_trained(tmp_path, monkeypatch):
+    def trained(*args, **kwargs):
+        raise AssertionError("a tokenizer was trained on a blank source")
+
+    monkeypatch.setattr(prepare, "train_tokenizer", trained)
+    for i, text in enumerate(["", " \n\n\t\n"]):
+        src = tmp_path / f"blank{i}.txt"
+        src.write_text(text)
+        cfg = DataConfig(dataset=str(src), tokenizer_vocab_size=300, seq_len=16)
+        with pytest.raises(DataError, match=f"data.dataset: '{src}' holds no text .* empty or whitespace"):
+            prepare.prepare(cfg, str(tmp_path / f"data{i}"))
+        assert not (tmp_path / f"data{i}").exists() and not (tmp_path / f"data{i}.tmp").exists()
+
+
+def test_a_source_that_grew_after_preparation_is_named_and_moved_away_is_tokenized_anew(tmp_path, capsys):
+    """'move DIR away and run again', as printed: the same tokens as a fresh preparation of the grown file."""
+    txt = tmp_path / "notes.txt"
+    txt.write_text(PARAGRAPH * 14)
+    cfg = DataConfig(dataset=str(txt), txt_documents="blank_line", tokenizer_vocab_size=300, seq_len=16,
+                     val_fraction=0.1, max_documents=400)
+    out = str(tmp_path / "data")
+    first = prepare.prepare(cfg, out)
+    assert "all its 14 documents (fewer than data.max_documents 400)" in capsys.readouterr().out
+    assert prepare.prepare(cfg, out)["n_tokens"] == first["n_tokens"]  # unchanged: reused
+    txt.write_text(PARAGRAPH * 40)
+    with pytest.raises(DataError, match=f"changed since it was tokenized into '{out}' \\(1 file, .* move '{out}' "
+                                        "away and run again"):
+        prepare.prepare(cfg, out)
+    shutil.move(out, str(tmp_path / "stale"))
+    again, fresh = prepare.prepare(cfg, out), prepare.prepare(cfg, str(tmp_path / "fresh"))
+    assert again["n_documents"] == fresh["n_documents"] == 40 and again["n_tokens"] == fresh["n_tokens"]
+    assert np.array_equal(np.fromfile(prepare_file(out), dtype=np.uint16),
+                          np.fromfile(prepare_file(str(tmp_path / "fresh")), dtype=np.uint16))
+
+
+def prepare_file(out: str) -> str:
+    """The one source's token file of a prepared directory."""
+    meta = data.read_meta(out)
+    return os.path.join(out, next(iter(meta["sources"].values()))["file"])

@@ -22,6 +22,7 @@ new one without a row here fails: write its test, then add the row.
 | data_pipeline/filesplit.py | `or pass --data.decode_errors replace` | test_bad_input.py::test_undecodable_bytes_can_be_replaced_on_request |
 | data_pipeline/sources.py | `or pass --data.decode_errors replace` | test_bad_input.py::test_undecodable_bytes_can_be_replaced_on_request |
 | data.py | `away and run again to prepare it anew`: a damaged data directory | test_remedies.py::test_a_damaged_data_directory_moved_away_is_prepared_anew |
+| prepare.py | `away and run again to tokenize it anew`: a source that changed after it was prepared | test_data.py::test_a_source_that_grew_after_preparation_is_named_and_moved_away_is_tokenized_anew |
 | parallel/distributed.py | `use --train.device cpu` | test_remedies.py::test_device_remedies_are_accepted_as_printed |
 | generate.py | `no CUDA device is visible; use --device cpu` | test_remedies.py::test_device_remedies_are_accepted_as_printed |
 | generate.py | `MPS is not available here; use --device cpu` | test_remedies.py::test_device_remedies_are_accepted_as_printed |
