@@ -83,20 +83,21 @@ BLANK_CHECK_BYTES = 1 << 20
 
 
 def _check_not_blank(src: SourceConfig, files: list[str]) -> None:
-    """DataError when every file of src is plain (uncompressed) and holds only whitespace (empty files included).
+    """DataError when every file of src is plain (uncompressed) text and holds only whitespace (empty files too).
 
     Larger sources are left to the preparation, which refuses a source without a document too,
     after the tokenizer: a tokenizer trained on nothing is minutes wasted and a confusing error.
     """
-    if any(file_kind(f)[1] for f in files) or sum(os.path.getsize(f) for f in files) > BLANK_CHECK_BYTES:
+    if any(file_kind(f)[1] or KINDS.get(file_kind(f)[0]) != "text" for f in files) or \
+            sum(os.path.getsize(f) for f in files) > BLANK_CHECK_BYTES:
         return
     for f in files:
         with open(f, "rb") as fh:
             if fh.read().strip():
                 return
     what = f"'{files[0]}' is" if len(files) == 1 else f"its {len(files)} files are"
-    raise DataError(f"{src.field('dataset')}: '{src.dataset}' holds no text ({what} empty or whitespace); point it "
-                    f"at real text" + ("" if src.name == DEFAULT_SOURCE else " or remove the source"))
+    raise DataError(f"{src.field('dataset')}: '{src.dataset}' holds no non-empty document ({what} empty or "
+                    f"whitespace); point it at real text" + ("" if src.name == DEFAULT_SOURCE else " or remove the source"))
 
 
 def source_files(src: SourceConfig) -> list[tuple[str, int, int]] | None:

@@ -463,7 +463,7 @@ def test_a_blank_txt_is_refused_before_a_tokenizer_is_trained(tmp_path, monkeypa
         src = tmp_path / f"blank{i}.txt"
         src.write_text(text)
         cfg = DataConfig(dataset=str(src), tokenizer_vocab_size=300, seq_len=16)
-        with pytest.raises(DataError, match=f"data.dataset: '{src}' holds no text .* empty or whitespace"):
+        with pytest.raises(DataError, match=f"data.dataset: '{src}' holds no non-empty document .* empty or whitespace"):
             prepare.prepare(cfg, str(tmp_path / f"data{i}"))
         assert not (tmp_path / f"data{i}").exists() and not (tmp_path / f"data{i}.tmp").exists()
 
