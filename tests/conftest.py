@@ -83,6 +83,31 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+QUICK_LIMIT_S = float(os.environ.get("QUICK_TEST_LIMIT_S", "3"))
+"""A test outside the slow mark that takes longer than this (setup + call + teardown, seconds) is named at the end
+of the quick loop: mark it slow or make it smaller. Reported, never failed: timings vary with the machine's load."""
+
+_quick_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add up each non-slow test's phases (on the xdist controller too, where the workers' reports arrive)."""
+    if "slow" not in report.keywords:
+        _quick_seconds[report.nodeid] = _quick_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """In the quick loop (-m "not slow"), name the non-slow tests over QUICK_LIMIT_S, longest first."""
+    if "not slow" not in (config.getoption("markexpr") or ""):
+        return
+    over = sorted(((s, n) for n, s in _quick_seconds.items() if s > QUICK_LIMIT_S), reverse=True)
+    if over:
+        terminalreporter.write_sep("=", f"quick loop: {len(over)} non-slow test(s) over {QUICK_LIMIT_S:g} s: "
+                                        "mark them @pytest.mark.slow or make them smaller", yellow=True)
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")
+
+
 @pytest.fixture(scope="module")
 def single_rank_group():
     """A 1-rank gloo process group for in-process tests of collective code (one per test module)."""

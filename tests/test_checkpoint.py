@@ -79,6 +79,7 @@ def test_every_piece_of_state_round_trips(tmp_path, single_rank_group, steps):
     _assert_same_state(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parametrization", [
     ("--model.parametrization", "completep", "--model.base_dim", "32", "--model.base_n_layers", "1"),
     ("--model.parametrization", "mup", "--model.base_dim", "32", "--optim.name", "muon"),
@@ -97,6 +98,7 @@ def test_mup_and_completep_state_round_trips_and_the_run_continues_exactly(tmp_p
     _assert_same_state(a, b)
 
 
+@pytest.mark.slow
 def test_async_save_equals_sync_save_even_when_training_goes_on(tmp_path, single_rank_group):
     sync = _session(tmp_path / "sync")
     _steps(sync, 2)
@@ -289,6 +291,7 @@ def test_a_checkpoints_path_that_is_not_a_directory_stops_before_training(tmp_pa
     assert (tmp_path / "checkpoints" / "step_00000006.tmp").read_text() == "x"
 
 
+@pytest.mark.slow
 def test_optimizer_settings_changed_on_resume_are_the_ones_in_force(tmp_path, single_rank_group):
     """optim.lr, weight_decay, beta2 and muon_momentum changed on resume: the groups hold the new values, the LR of
     every later step is the new lr times the same schedule (the reference: the uninterrupted run's LR x 0.5), and the

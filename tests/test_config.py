@@ -148,6 +148,7 @@ def test_an_error_message_stays_one_line_whatever_the_names_hold(capsys):
     assert err.count("\n") == 1 and "a\\nb.jsonl" in err
 
 
+@pytest.mark.slow
 def test_an_eot_id_that_the_prepared_run_directory_disagrees_with_is_refused_before_any_collective(
         tmp_path, capsys, monkeypatch):
     def no_collective(*args):

@@ -154,6 +154,7 @@ def test_checkpoints_hold_the_same_plain_tensors_and_resume_across_the_setting(t
     _steps(again, 1)  # and it trains on
 
 
+@pytest.mark.slow
 def test_hf_export_of_a_float8_run_writes_its_plain_weights(tmp_path, single_rank_group):
     rd = tmp_path / "f8"
     s = _session(rd, *F8)

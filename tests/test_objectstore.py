@@ -241,6 +241,7 @@ def _objects(url) -> dict[str, bytes]:
     return {p: store.cat_file(p) for p in store.find(inner)}
 
 
+@pytest.mark.slow
 def test_a_second_run_on_one_checkpoint_dir_is_refused_and_the_first_keeps_every_byte(s3, tmp_path, monkeypatch,
                                                                                       capsys):
     """Run A owns s3://.../owned (owner.json); run B, another run directory on the same location, is refused in one

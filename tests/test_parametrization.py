@@ -83,7 +83,7 @@ def test_mup_scores_are_q_dot_k_over_head_dim():
     torch.testing.assert_close(attn(x, cos, sin), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("optim", ["adamw", "muon"])
+@pytest.mark.parametrize("optim", ["adamw", pytest.param("muon", marks=pytest.mark.slow)])
 def test_coordinate_check_is_flat_under_mup_and_grows_under_sp(optim):
     """benchmarks/coord_check.py, small: widths 32 ... 256 (8x), 4 steps at a large LR. After 3 updates the hidden
     activations (each block's output, the residual stream) of mup vary by at most 1.5x across the widths; under sp
