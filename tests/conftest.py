@@ -9,6 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# One intra-op thread per test process, as tests/launch.py gives its torchrun ranks: the two xdist workers already
+# fill the CI's 2 cores, and more threads than free cores make the in-process tests several times slower on a busy
+# machine (the coordinate check: 3 s with one thread, 14 s with two, on 2 loaded cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Weights & Biases never goes online from a test, whatever the machine's settings (metrics.wandb).
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
@@ -19,6 +23,8 @@ import torch.distributed as dist  # noqa: E402
 
 from launch import DEBUG, GRAD_STEPS, REFERENCE_ARGS, debug_run, prepared_data_dir, torchrun  # noqa: E402
 from parallel import distributed  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 class GradRuns:
@@ -81,6 +87,31 @@ def pytest_collection_modifyitems(items):
     order), so that no worker is left alone with a long file at the end. Within a file the order stays."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+QUICK_LIMIT_S = float(os.environ.get("QUICK_TEST_LIMIT_S", "3"))
+"""A test outside the slow mark that takes longer than this (setup + call + teardown, seconds) is named at the end
+of the quick loop: mark it slow or make it smaller. Reported, never failed: timings vary with the machine's load."""
+
+_quick_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add up each non-slow test's phases (on the xdist controller too, where the workers' reports arrive)."""
+    if "slow" not in report.keywords:
+        _quick_seconds[report.nodeid] = _quick_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """In the quick loop (-m "not slow"), name the non-slow tests over QUICK_LIMIT_S, longest first."""
+    if "not slow" not in (config.getoption("markexpr") or ""):
+        return
+    over = sorted(((s, n) for n, s in _quick_seconds.items() if s > QUICK_LIMIT_S), reverse=True)
+    if over:
+        terminalreporter.write_sep("=", f"quick loop: {len(over)} non-slow test(s) over {QUICK_LIMIT_S:g} s: "
+                                        "mark them @pytest.mark.slow or make them smaller", yellow=True)
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ def test_wheel_installs_no_module(wheel):
     assert all(not wheel.read(n).strip() for n in top_level)
 
 
+@pytest.mark.slow
 def test_wheel_carries_the_dependencies(wheel):
     (meta,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
     requires = [line.split(":", 1)[1].strip() for line in wheel.read(meta).decode().splitlines()
