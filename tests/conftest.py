@@ -120,23 +120,3 @@ def single_rank_group():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-
-
-QUICK_LIMIT_S = 3.0
-"""A test of the quick loop (-m "not slow") that takes longer than this is named at the end of the run."""
-_long_quick: list[tuple[float, str]] = []
-
-
-def pytest_runtest_logreport(report):
-    """Collect the quick loop's tests over QUICK_LIMIT_S (on the controller too, under xdist)."""
-    if report.when == "call" and report.duration > QUICK_LIMIT_S and "slow" not in report.keywords:
-        _long_quick.append((report.duration, report.nodeid))
-
-
-def pytest_terminal_summary(terminalreporter):
-    """Name the unmarked tests that make the quick loop slow: a list to act on, not a failing timed test (the
-    machines are shared and noisy). Mark such a test slow, or make it small."""
-    if _long_quick:
-        terminalreporter.section(f"tests without the slow marker that took over {QUICK_LIMIT_S:g} s")
-        for seconds, nodeid in sorted(_long_quick, reverse=True):
-            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}  (mark it slow, or make it small)")
