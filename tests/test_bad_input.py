@@ -47,7 +47,7 @@ def big_tokenizer(tmp_path_factory):
 
 
 PRE_GROUP = [
-    (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'steps'?"),
+    (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'train.steps'?"),
     (["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
     (["--model.n_heads", "3"], "model.dim (128) must be divisible by model.n_heads (3)"),
     (["--model.n_kv_heads", "3"], "model.n_heads (4) must be divisible by model.n_kv_heads (3)"),
