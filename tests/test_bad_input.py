@@ -71,7 +71,9 @@ PRE_GROUP = [
     (["--checkpoint.keep", "-2"], "checkpoint.keep must be >= 0, got -2"),
     (["--train.seed", "-1"], "train.seed must be in 0..2**32-1, got -1"),
     (["--model.rope_theta", "inf"], "model.rope_theta must be a finite number > 0, got inf"),
-    (["--train.collective_timeout_s", "inf"], "train.collective_timeout_s must be a number of seconds in (0, 1e7]"),
+    (["--train.collective_timeout_s", "inf"], "train.collective_timeout_s must be a number of seconds in [1, 1e7]"),
+    (["--train.collective_timeout_s", "0.001"], "train.collective_timeout_s must be a number of seconds in [1, 1e7], "
+                                                "got 0.001; the default is 300"),
     (["--train.z_loss", "-1e-4"], "train.z_loss must be a finite number >= 0 (0: off), got -0.0001"),
     (["--train.spike_skip", "nan"], "train.spike_skip must be a finite number >= 0 (0: off), got nan"),
     (["--train.spike_window", "1"], "train.spike_window must be >= 2 steps"),

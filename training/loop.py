@@ -17,6 +17,7 @@ from core.errors import TrainingError
 from model import flops_per_token
 from observability.metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from observability.progress import Progress
+from optimization.optimizers import schedule_notice
 from parallel import distributed
 from storage.rundir import RunDir
 from training.components import Checkpointing, Metrics, Profiling, Scoring, Validation, act
@@ -42,8 +43,9 @@ def train(s: Session) -> int:
     rollback = Rollback(s, log, progress)
     between_steps = (validation, Scoring(s, log, progress), checkpointing)
     progress.write(start_line(s, fpt))  # rank 0 only, and above the progress bar
-    if validation.notice():
-        progress.write(validation.notice())
+    for notice in (validation.notice(), schedule_notice(cfg.optim, cfg.train.steps)):
+        if notice:
+            progress.write(notice)
 
     stop, stopped_by, start_step = distributed.StopFlag(), 0, state.step
     while state.step < cfg.train.steps:
