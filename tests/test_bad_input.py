@@ -347,3 +347,32 @@ def test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused(existi
     assert f"checkpoint.dir {new} holds no checkpoint, but run directory {existing_run} has its checkpoints in " \
            f"{existing_run}/checkpoints (newest: step" in err and "--checkpoint.load_from" in err, err
     assert {name: digest(name) for name in kept} == kept and not any(new.iterdir() if new.exists() else [])
+
+
+@pytest.mark.slow
+def test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run(existing_run, tmp_path):
+    """--train.steps 1 after 2 steps: nothing can run; it used to print 'finished: step 2 of 1' and rewrite config.toml."""
+    before = _snapshot(existing_run)
+    proc = debug_run(1, existing_run, "--train.steps", "1", check=False)
+    ckpt = existing_run / "checkpoints" / "step_00000002"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and errors == [
+        f"error: train.steps (1) is below the 2 steps already done in {ckpt}: pass --train.steps above 2 to continue "
+        f"this run, or branch from an earlier checkpoint with --checkpoint.load_from and a new --run_dir"], proc.stderr
+    assert _snapshot(existing_run) == before
+    # The fix as printed, in a copy: a train.steps above 2 continues the run at step 3.
+    copy = tmp_path / "copy"
+    shutil.copytree(existing_run, copy)
+    proc = debug_run(1, copy, "--train.steps", "3", "--checkpoint.interval", "1")
+    assert "[train] finished: step 3 of 3" in proc.stdout
+    assert [r["step"] for r in metrics(copy) if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_finished_run_started_again_with_a_lower_lr_leaves_its_run_directory_as_it_was(existing_run):
+    """No step runs at the new optim.lr, so config.toml keeps the LR the run ran at (and nothing else is rewritten)."""
+    before = _snapshot(existing_run)
+    config = (existing_run / "config.toml").read_text()
+    proc = debug_run(1, existing_run, "--train.steps", "2", "--optim.lr", "1e-5")
+    assert "[train] finished: step 2 of 2 already; nothing to run, the run directory is left as it was" in proc.stdout
+    assert (existing_run / "config.toml").read_text() == config and _snapshot(existing_run) == before

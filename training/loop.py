@@ -33,6 +33,12 @@ def train(s: Session) -> int:
     (SIGTERM or SIGINT: every rank finished the step and the checkpoint of that step is saved).
     """
     cfg, state = s.cfg, s.train_state
+    if state.step >= cfg.train.steps:  # a finished run started again (resume_point refused fewer steps than done)
+        s.ckpt.close()
+        if s.rank == 0:  # config.toml, metrics and exit.json stay as the run left them: no step runs under this config
+            print(f"[train] finished: step {state.step} of {cfg.train.steps} already; nothing to run, the run "
+                  f"directory is left as it was", flush=True)
+        return 0
     log = open_metrics_log(s)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     progress = Progress(cfg.train.steps, state.step, s.rank == 0)

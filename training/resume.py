@@ -17,7 +17,14 @@ from typing import Callable
 import tomllib
 import torch
 
-from checkpoint import CheckpointConfig, Checkpointer, CheckpointError, check_compatible, complete_checkpoints
+from checkpoint import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointError,
+    check_compatible,
+    check_steps_left,
+    complete_checkpoints,
+)
 from config import Config
 from data import mixture_note
 from model import Transformer
@@ -38,6 +45,7 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
         check_not_moved(cfg, ckpt.root)
         claim()
         return None, ""
+    check_steps_left(path, cfg.train.steps)
     saved = saved_config(path)  # read once: on a store every read is a request
     if saved.get("model"):  # saved before model.parametrization existed: it was sp
         saved["model"] = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, **saved["model"]}
