@@ -160,19 +160,6 @@ def checkpoint_step(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def check_steps_left(path: str, steps: int) -> None:
-    """ConfigError when train.steps (steps) is below the steps already done in checkpoint path (its step_N name).
-
-    Nothing could run: the loop would print a finished line for a step past train.steps and
-    rewrite config.toml with a train.steps the run never had. Equal is fine (a finished run).
-    """
-    done = checkpoint_step(path)
-    if done is not None and done > steps:
-        raise ConfigError(f"train.steps ({steps}) is below the {done} steps already done in {path}: pass "
-                          f"--train.steps above {done} to continue this run, or branch from an earlier checkpoint "
-                          f"with --checkpoint.load_from and a new --run_dir")
-
-
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     """Committed checkpoints under root (a directory or URL) as [(step, path)], oldest first.
 

@@ -33,7 +33,11 @@ def train(s: Session) -> int:
     (SIGTERM or SIGINT: every rank finished the step and the checkpoint of that step is saved).
     """
     cfg, state = s.cfg, s.train_state
-    if state.step >= cfg.train.steps:  # a finished run started again (resume_point refused fewer steps than done)
+    if state.step > cfg.train.steps:  # resume_point refuses it by the checkpoint's name; a load_from named otherwise
+        raise TrainingError(f"train.steps ({cfg.train.steps}) is below the {state.step} steps already done in "
+                            f"{s.resumed_from}: pass --train.steps above {state.step} to continue this run, or branch "
+                            f"from an earlier checkpoint with --checkpoint.load_from and a new --run_dir")
+    if state.step == cfg.train.steps:  # a finished run started again
         s.ckpt.close()
         if s.rank == 0:  # config.toml, metrics and exit.json stay as the run left them: no step runs under this config
             print(f"[train] finished: step {state.step} of {cfg.train.steps} already; nothing to run, the run "

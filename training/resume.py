@@ -17,14 +17,7 @@ from typing import Callable
 import tomllib
 import torch
 
-from checkpoint import (
-    CheckpointConfig,
-    Checkpointer,
-    CheckpointError,
-    check_compatible,
-    check_steps_left,
-    complete_checkpoints,
-)
+from checkpoint import CheckpointConfig, Checkpointer, CheckpointError, check_compatible, complete_checkpoints
 from config import Config
 from data import mixture_note
 from model import Transformer
@@ -45,7 +38,7 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
         check_not_moved(cfg, ckpt.root)
         claim()
         return None, ""
-    check_steps_left(path, cfg.train.steps)
+    check_steps_left(path, cfg.train.steps)  # nothing could run, and config.toml would get a train.steps never run
     saved = saved_config(path)  # read once: on a store every read is a request
     if saved.get("model"):  # saved before model.parametrization existed: it was sp
         saved["model"] = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, **saved["model"]}
@@ -65,6 +58,17 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     notes.append(mixture_note(saved.get("data", {}), cfg.data))
     claim()
     return path, "; ".join(n for n in notes if n)
+
+
+def check_steps_left(path: str, steps: int) -> None:
+    """CheckpointError when steps (train.steps) is below the steps done in checkpoint path (named step_N); equal is
+    a finished run, which the loop leaves as it is."""
+    name = path.rstrip("/").rsplit("/", 1)[-1].removeprefix("step_")
+    done = int(name) if name.isdigit() else 0
+    if done > steps:
+        raise CheckpointError(f"train.steps ({steps}) is below the {done} steps already done in {path}: pass "
+                              f"--train.steps above {done} to continue this run, or branch from an earlier "
+                              f"checkpoint with --checkpoint.load_from and a new --run_dir")
 
 
 OWNER_FILE = "owner.json"
