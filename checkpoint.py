@@ -154,6 +154,12 @@ def is_complete(path: str) -> bool:
     return fs.isfile(fs.join(path, COMMIT_MARKER if fs.is_url(path) else ".metadata"))
 
 
+def checkpoint_step(path: str) -> int | None:
+    """The step of a checkpoint directory or URL named step_N (N: optimizer steps done), else None."""
+    m = _STEP_DIR.match(path.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
 def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     """Committed checkpoints under root (a directory or URL) as [(step, path)], oldest first.
 

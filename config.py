@@ -115,7 +115,7 @@ class TrainConfig:
     float8: Literal["off", "tensorwise", "rowwise"] = "off"
     """Float8 matmuls in the blocks' Linear layers through torchao (pip install -e ".[float8]"; CUDA compute capability 8.9+: H100, H200 or newer): 'tensorwise' (float8 FSDP all-gather), 'rowwise' (closer to bf16, slower), or 'off'. The output projection stays in high precision; checkpoints are the same as without. train_fsdp.py only."""
     collective_timeout_s: float = 300.0
-    """Seconds a collective of the training loop waits for a peer rank from step 2 on; then this rank stops with one line naming the step (a hung or lost peer). Start-up and step 1 (compilation) wait up to 30 minutes, data preparation up to 24 hours."""
+    """Seconds (>= 1) a collective of the training loop waits for a peer rank from step 2 on; then this rank stops with one line naming the step (a hung or lost peer). Start-up and step 1 (compilation) wait up to 30 minutes, data preparation up to 24 hours."""
 
     def __post_init__(self) -> None:
         if self.steps <= 0:
@@ -127,8 +127,10 @@ class TrainConfig:
         for name in ("val_interval", "val_batches", "micro_batch_size", "loss_chunk_size"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 < self.collective_timeout_s <= 1e7:  # also refuses nan and inf, which no timer takes
-            raise ConfigError(f"train.collective_timeout_s must be a number of seconds in (0, 1e7], got "
+        # below 1 s a healthy step's own collectives (an all-gather of the weights, a checkpoint barrier) time out
+        # and a live peer is blamed; the comparison also refuses nan and inf, which no timer takes
+        if not 1 <= self.collective_timeout_s <= 1e7:
+            raise ConfigError(f"train.collective_timeout_s must be a number of seconds in [1, 1e7], got "
                               f"{self.collective_timeout_s}; the default is 300")
         for name in ("z_loss", "spike_skip"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):

@@ -85,9 +85,11 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def _suggest(name: str, choices) -> str:
+def _suggest(name: str, choices, prefix: str = "") -> str:
+    """'; did you mean 'PREFIX.near'?' (the full dotted key, as the user types it), else the valid names."""
     near = difflib.get_close_matches(name, list(choices), n=1)
-    return f"; did you mean '{near[0]}'?" if near else f"; valid: {', '.join(sorted(choices))}"
+    dotted = f"{prefix}." if prefix else ""
+    return f"; did you mean '{dotted}{near[0]}'?" if near else f"; valid: {', '.join(sorted(choices))}"
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -128,7 +130,7 @@ def build_table(key: str, cls, values: Any):
     fields = _hints(cls)
     for k in values:
         if k not in fields:
-            raise ConfigError(f"unknown config key '{key}.{k}'{_suggest(k, fields)}")
+            raise ConfigError(f"unknown config key '{key}.{k}'{_suggest(k, fields, key)}")
     required = [f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [name for name in required if name not in values]
@@ -253,7 +255,7 @@ def build(root_cls, sections: dict[str, dict], presets: dict[str, dict[str, dict
         fields = _hints(cls)
         for key in merged:
             if key not in fields:
-                raise ConfigError(f"unknown config key '{name}.{key}'{_suggest(key, fields)}")
+                raise ConfigError(f"unknown config key '{name}.{key}'{_suggest(key, fields, name)}")
         try:
             kwargs[name] = cls(**{k: _convert(f"{name}.{k}", v, fields[k]) for k, v in merged.items()})
         except ValueError as e:  # model.ModelArgs' own validation (model.py imports nothing of ours)

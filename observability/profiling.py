@@ -20,9 +20,10 @@ def parse_steps(text: str) -> tuple[int, int] | None:
     """'10-12' -> (10, 12); '7' -> (7, 7); '' -> None. Raises ConfigError naming train.profile_steps."""
     if not text:
         return None
-    first, _, last = text.partition("-")
+    first, dash, last = text.partition("-")
     try:
-        span = int(first), int(last or first)
+        # '1-' or '-3' is a range with a missing end: refuse it rather than read it as one step
+        span = int(first), int(last if dash else first)
     except ValueError:
         span = None
     if span is None or not 1 <= span[0] <= span[1]:

@@ -38,6 +38,10 @@ from torch.optim.adamw import adamw
 
 from nn.parametrization import HIDDEN, is_hidden
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single and warns (FutureWarning, once per
+# rank) at the old name; torch 2.9-2.12 (pyproject's range) have only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 ADJUST_LR_FN = "match_rms_adamw"
 """torch.optim.Muon's name for Moonlight's 0.2 * sqrt(max(m, n)) LR rule."""
 MATRICES = HIDDEN
@@ -201,9 +205,10 @@ class MuonAdamW(torch.optim.Optimizer):
                            .reshape(-1))
             sizes = torch.tensor([len(i) for i in own] + [0] * (world - len(chunk)), device=dev)
             all_sizes = torch.empty(world * world, dtype=torch.int64, device=dev)
-            dist.all_gather_into_tensor(all_sizes, sizes)
+            _all_gather_single(all_sizes, sizes)
             recv_split = all_sizes.view(world, world)[:, dist.get_rank()].tolist()
             recv = torch.empty(sum(recv_split), dtype=torch.int64, device=dev)
             dist.all_to_all_single(recv, torch.cat(own), recv_split, sizes.tolist())
             self._index[key] = list(recv.split(recv_split)) if mine is not None else []
         return self._index[key]
+

@@ -138,6 +138,21 @@ def scheduled_factor(step: int, warmup_steps: int, total_steps: int, batch_sched
                    schedule_position(total_steps, batch_schedule), **shape)
 
 
+def schedule_notice(cfg: OptimConfig, total_steps: int) -> str:
+    """One line for the start when optim.warmup_steps >= total_steps (train.steps), else ''.
+
+    Such a run never leaves the linear warmup, whatever optim.schedule: the cosine and linear
+    decays start at warmup_steps, and lr_factor's warmup branch comes first for WSD too, so its
+    decay over the last decay_fraction of the run never runs. Not an error: a short debug run
+    of a long config (warmup 20, --train.steps 3) is legitimate.
+    """
+    if cfg.warmup_steps < total_steps:
+        return ""
+    return (f"[train] notice: optim.warmup_steps ({cfg.warmup_steps}) >= train.steps ({total_steps}): the LR never "
+            f"leaves its warmup and the '{cfg.schedule}' schedule never decays; lower optim.warmup_steps below "
+            f"train.steps to decay")
+
+
 def reapply_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     """Set every group's LR from the schedule at scheduler.last_epoch (after loading a checkpoint).
 

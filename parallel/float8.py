@@ -69,19 +69,39 @@ def cpu_notice(recipe: str, device: torch.device) -> str:
             f"capability 8.9 or newer")
 
 
+class _DropMessages(logging.Filter):
+    """A logger filter that drops the records whose message holds one of fragments; every other record passes."""
+
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(f in record.getMessage() for f in self.fragments)
+
+
+_QUIET = _DropMessages(f"{os.sep}torchao{os.sep}_C", "is an Enum subclass and is now natively supported")
+
+
+def quiet_torchao_logs() -> None:
+    """Drop two kinds of log lines that importing torchao (so also transformers' LlamaForCausalLM) prints, by text.
+
+    torchao 0.18 warns 'Failed to load .../torchao/_C_*.so' for each CUDA kernel library it cannot
+    load (all of them on a CPU build of torch), and torch's pytree warns that registering an Enum
+    (torchao's KernelPreference, ScaleCalculationMode) the old way is deprecated. Float8 training
+    needs none of those kernels and the Enums work either way; neither is ours to fix. Every other
+    record of those loggers still prints. Idempotent; tests/conftest.py calls it too.
+    """
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if _QUIET not in logger.filters:
+            logger.addFilter(_QUIET)
+
+
 def _import_torchao():
-    # torchao 0.18 logs a warning for each CUDA kernel library it cannot load (all of them on a
-    # CPU build of torch), and torch one for an Enum it registers the old way; float8 training
-    # needs none of those kernels, and the Enum works either way.
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-    pytree = logging.getLogger("torch.utils._pytree")
-    level = pytree.level
-    pytree.setLevel(logging.ERROR)
-    try:
-        require("torchao", "float8", "train.float8")
-        return require("torchao.float8", "float8", "train.float8")  # an old torchao lacks it
-    finally:
-        pytree.setLevel(level)
+    quiet_torchao_logs()
+    require("torchao", "float8", "train.float8")
+    return require("torchao.float8", "float8", "train.float8")  # an old torchao lacks it
 
 
 def convertible(module: torch.nn.Module, name: str) -> bool:

@@ -23,6 +23,9 @@ import torch.distributed as dist  # noqa: E402
 
 from launch import DEBUG, GRAD_STEPS, REFERENCE_ARGS, debug_run, prepared_data_dir, torchrun  # noqa: E402
 from parallel import distributed  # noqa: E402
+from parallel.float8 import quiet_torchao_logs  # noqa: E402
+
+quiet_torchao_logs()  # tests import transformers, whose LlamaForCausalLM imports torchao
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

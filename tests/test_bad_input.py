@@ -48,7 +48,7 @@ def big_tokenizer(tmp_path_factory):
 
 
 PRE_GROUP = [
-    (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'steps'?"),
+    (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'train.steps'?"),
     (["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
     (["--model.n_heads", "3"], "model.dim (128) must be divisible by model.n_heads (3)"),
     (["--model.n_kv_heads", "3"], "model.n_heads (4) must be divisible by model.n_kv_heads (3)"),
@@ -72,7 +72,9 @@ PRE_GROUP = [
     (["--checkpoint.keep", "-2"], "checkpoint.keep must be >= 0, got -2"),
     (["--train.seed", "-1"], "train.seed must be in 0..2**32-1, got -1"),
     (["--model.rope_theta", "inf"], "model.rope_theta must be a finite number > 0, got inf"),
-    (["--train.collective_timeout_s", "inf"], "train.collective_timeout_s must be a number of seconds in (0, 1e7]"),
+    (["--train.collective_timeout_s", "inf"], "train.collective_timeout_s must be a number of seconds in [1, 1e7]"),
+    (["--train.collective_timeout_s", "0.001"], "train.collective_timeout_s must be a number of seconds in [1, 1e7], "
+                                                "got 0.001; the default is 300"),
     (["--train.z_loss", "-1e-4"], "train.z_loss must be a finite number >= 0 (0: off), got -0.0001"),
     (["--train.spike_skip", "nan"], "train.spike_skip must be a finite number >= 0 (0: off), got nan"),
     (["--train.spike_window", "1"], "train.spike_window must be >= 2 steps"),
@@ -370,3 +372,32 @@ def test_load_from_a_checkpoint_of_another_tokenizer_is_refused(existing_run, bi
     assert f"was trained with the tokenizer {existing_run}/data/tokenizer.json" in err and big_tokenizer in err, err
     assert not rd.exists()
 
+
+
+@pytest.mark.slow
+def test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run(existing_run, tmp_path):
+    """--train.steps 1 after 2 steps: nothing can run; it used to print 'finished: step 2 of 1' and rewrite config.toml."""
+    before = _snapshot(existing_run)
+    proc = debug_run(1, existing_run, "--train.steps", "1", check=False)
+    ckpt = existing_run / "checkpoints" / "step_00000002"
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and errors == [
+        f"error: train.steps (1) is below the 2 steps already done in {ckpt}: pass --train.steps above 2 to continue "
+        f"this run, or branch from an earlier checkpoint with --checkpoint.load_from and a new --run_dir"], proc.stderr
+    assert _snapshot(existing_run) == before
+    # The fix as printed, in a copy: a train.steps above 2 continues the run at step 3.
+    copy = tmp_path / "copy"
+    shutil.copytree(existing_run, copy)
+    proc = debug_run(1, copy, "--train.steps", "3", "--checkpoint.interval", "1")
+    assert "[train] finished: step 3 of 3" in proc.stdout
+    assert [r["step"] for r in metrics(copy) if "loss" in r] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_a_finished_run_started_again_with_a_lower_lr_leaves_its_run_directory_as_it_was(existing_run):
+    """No step runs at the new optim.lr, so config.toml keeps the LR the run ran at (and nothing else is rewritten)."""
+    before = _snapshot(existing_run)
+    config = (existing_run / "config.toml").read_text()
+    proc = debug_run(1, existing_run, "--train.steps", "2", "--optim.lr", "1e-5")
+    assert "[train] finished: step 2 of 2 already; nothing to run, the run directory is left as it was" in proc.stdout
+    assert (existing_run / "config.toml").read_text() == config and _snapshot(existing_run) == before

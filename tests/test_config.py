@@ -46,8 +46,11 @@ def test_a_value_with_bytes_that_are_not_utf8_is_refused_when_parsed(flag):
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'steps'"),
+    (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'train.steps'"),
     (["--trian.steps", "3"], "did you mean 'train'"),
+    (["--optim.lrr", "1e-3"], "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+    (["--train.collective_timeout_s", "0.001"], "train.collective_timeout_s must be a number of seconds in [1, 1e7], "
+                                                "got 0.001; the default is 300"),
     (["--train.steps", "three"], "train.steps: expected int"),
     (["--model.preset", "gpt5"], "unknown preset 'gpt5'"),
     (["--model.n_heads", "5"], "model.dim (128) must be divisible by model.n_heads (5)"),

@@ -5,6 +5,7 @@ SIGKILL + resume that continues the uninterrupted float8 run exactly."""
 import os
 import random
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -19,7 +20,7 @@ import train_2d  # noqa: E402
 import train_fsdp  # noqa: E402
 from checkpoint import complete_checkpoints, read_model_weights  # noqa: E402
 from core import cli, errors  # noqa: E402
-from launch import DEBUG, REFERENCE_ARGS, debug_run, losses, metrics, prepared_data_dir, refused  # noqa: E402
+from launch import DEBUG, REFERENCE_ARGS, ROOT, debug_run, losses, metrics, prepared_data_dir, refused  # noqa: E402
 from model import PRESETS, ModelArgs, Transformer  # noqa: E402
 from parallel import (
     float8,  # noqa: E402
@@ -251,3 +252,28 @@ def test_sigkill_then_resume_with_float8_continues_the_uninterrupted_float8_run(
     worst = max(abs(got[s] - want[s]) / want[s] for s in want)
     assert worst <= 1e-6, f"killed after step {kill_step}: max relative loss difference {worst:.2e}"
     assert 'float8 = "tensorwise"' in (rd / "config.toml").read_text()
+
+
+QUIET_IMPORT = """
+import logging, sys
+if sys.argv[1] == "quiet":
+    from parallel.float8 import quiet_torchao_logs
+    quiet_torchao_logs()
+from transformers import LlamaConfig, LlamaForCausalLM  # the model class imports torchao
+LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                             vocab_size=64))
+logging.getLogger("torchao").warning("another torchao warning")
+"""
+
+
+@pytest.mark.slow
+def test_importing_transformers_prints_none_of_torchaos_kernel_or_enum_warnings_and_keeps_the_others():
+    """The reference: the same import without quiet_torchao_logs, which prints them (on a build that lacks the
+    kernels; where it prints none there is nothing to silence)."""
+    def stderr(mode):
+        return subprocess.run([sys.executable, "-c", QUIET_IMPORT, mode], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True).stderr.splitlines()
+    loud = stderr("loud")
+    if not any("Failed to load" in line or "Enum subclass" in line for line in loud):
+        pytest.skip("this torchao loads its kernels and registers its Enums quietly")
+    assert stderr("quiet") == ["another torchao warning"], loud

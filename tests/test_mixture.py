@@ -351,7 +351,7 @@ def test_sources_and_stages_round_trip_through_the_resolved_config(tmp_path):
     ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\n[[data.stages]]\nstart_step = 2\nweights = { a = 0 }\n',
      "data.stages[0].weights: every weight is 0"),
     ('[[data.sources]]\nname = "a b"\ndataset = "stdlib"\n', "data.sources: name 'a b' is not a name"),
-    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\nweigth = 1\n', "unknown config key 'data.sources[0].weigth'; did you mean 'weight'?"),
+    ('[[data.sources]]\nname = "a"\ndataset = "stdlib"\nweigth = 1\n', "unknown config key 'data.sources[0].weigth'; did you mean 'data.sources[0].weight'?"),
 ])
 def test_bad_mixtures_are_one_line_errors_naming_the_field(tmp_path, capsys, tables, msg):
 

@@ -152,7 +152,8 @@ def test_muon_wsd_checkpoint_loads_at_another_world_size(tmp_path):
               "--optim.warmup_steps", "2", "--train.steps", "10", "--checkpoint.interval", "5",
               "--train.val_interval", "0"]
     ref, branch = tmp_path / "ref", tmp_path / "branch"
-    torchrun(2, "train_fsdp.py", *common, "--run_dir", ref)
+    first = torchrun(2, "train_fsdp.py", *common, "--run_dir", ref)
+    assert "all_gather_into_tensor" not in first.stderr  # torch 2.13's FutureWarning, once per rank, is gone
     torchrun(1, "train_fsdp.py", *common, "--run_dir", branch, "--checkpoint.load_from",
              ref / "checkpoints" / "step_00000005")
     a, b = losses(ref), losses(branch)

@@ -70,7 +70,7 @@ def test_a_profile_span_past_the_runs_last_step_ends_there_and_writes_its_trace(
     assert trace.endswith("trace_steps_2-3.json") and os.path.getsize(trace) > 0 and not prof.finishes(3, last=True)
 
 
-@pytest.mark.parametrize("text", ["0", "5-3", "a-b", "1-2-3"])
+@pytest.mark.parametrize("text", ["0", "5-3", "a-b", "1-2-3", "1-", "-3"])
 def test_bad_profile_steps_name_the_field(text):
     with pytest.raises(ConfigError, match="train.profile_steps must look like '10-12'"):
         parse_config(["--config", DEBUG, "--train.profile_steps", text])

@@ -13,7 +13,7 @@ import pytest
 
 from launch import debug_run, metrics, prepared_data_dir
 from model import ModelArgs, Transformer
-from optimization.optimizers import OptimConfig, build_optimizer, reapply_schedule
+from optimization.optimizers import OptimConfig, build_optimizer, reapply_schedule, schedule_notice
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=48, max_seq_len=16)
 LR, MIN_LR, WARMUP, TOTAL = 1e-3, 1e-4, 10, 110
@@ -159,3 +159,19 @@ def test_the_logged_lr_of_the_last_step_is_min_lr_ratio_times_lr(tmp_path, sched
     assert sorted(logged) == list(range(1, total + 1))
     assert [logged[k] for k in range(1, total + 1)] == pytest.approx(want, rel=1e-12)
     assert logged[total] == pytest.approx(0.1 * 3e-3, rel=1e-12)  # min_lr_ratio * lr, the issue's expectation
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd"])
+@pytest.mark.parametrize("warmup", [4, 5, 6, 9])
+def test_a_warmup_that_never_ends_is_noticed_exactly_when_the_lr_never_decays(schedule, warmup):
+    """optim.warmup_steps >= train.steps: the schedule never decays, and the start says so naming both fields."""
+    total = 5
+    lrs = [g[0] for g in lrs_by_step(OptimConfig(lr=LR, min_lr_ratio=0.1, warmup_steps=warmup, schedule=schedule,
+                                                 decay_fraction=0.4), total, total)]
+    decays = lrs[-1] < max(lrs)  # the reference: the LRs the optimizer ran at, steps 1..train.steps
+    notice = schedule_notice(OptimConfig(warmup_steps=warmup, schedule=schedule), total)
+    assert bool(notice) == (not decays)
+    if notice:
+        assert notice == (f"[train] notice: optim.warmup_steps ({warmup}) >= train.steps (5): the LR never leaves its "
+                          f"warmup and the '{schedule}' schedule never decays; lower optim.warmup_steps below "
+                          f"train.steps to decay")

@@ -15,6 +15,8 @@ new one without a row here fails: write its test, then add the row.
 | training/command.py | `see the other ranks' output for the cause, then run the same command`: a hung or lost peer | test_restart.py::test_a_hung_rank_stops_its_peers_within_the_timeout_and_its_checkpoint_resumes |
 | training/command.py | `interrupted (Ctrl-C); what was saved before stays; run the same command`: before the loop | test_checkpoint.py::test_ctrl_c_before_the_loop_keeps_what_was_saved_and_the_same_command_resumes |
 | training/resume.py | `or pass --checkpoint.load_from {}`: checkpoint.dir moved away from the run's checkpoints | test_bad_input.py::test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused |
+| training/resume.py | `pass --train.steps above {} to continue this run` | test_bad_input.py::test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run |
+| training/loop.py | `pass --train.steps above {} to continue this run`: the same, for a load_from folder not named step_N | test_bad_input.py::test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run |
 | checkpoint.py | `fix the store or disk, then run the same command` | test_objectstore.py::test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_like_the_local_run |
 | nn/parametrization.py | `set --model.parametrization mup (or completep), or drop them` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |
 | nn/parametrization.py | `set --model.parametrization completep, or drop it` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |

@@ -17,6 +17,7 @@ from core.errors import TrainingError
 from model import flops_per_token
 from observability.metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from observability.progress import Progress
+from optimization.optimizers import schedule_notice
 from parallel import distributed
 from storage.rundir import RunDir
 from training.components import Checkpointing, Metrics, Profiling, Scoring, Validation, act
@@ -32,6 +33,16 @@ def train(s: Session) -> int:
     (SIGTERM or SIGINT: every rank finished the step and the checkpoint of that step is saved).
     """
     cfg, state = s.cfg, s.train_state
+    if state.step > cfg.train.steps:  # resume_point refuses it by the checkpoint's name; a load_from named otherwise
+        raise TrainingError(f"train.steps ({cfg.train.steps}) is below the {state.step} steps already done in "
+                            f"{s.resumed_from}: pass --train.steps above {state.step} to continue this run, or branch "
+                            f"from an earlier checkpoint with --checkpoint.load_from and a new --run_dir")
+    if state.step == cfg.train.steps:  # a finished run started again
+        s.ckpt.close()
+        if s.rank == 0:  # config.toml, metrics and exit.json stay as the run left them: no step runs under this config
+            print(f"[train] finished: step {state.step} of {cfg.train.steps} already; nothing to run, the run "
+                  f"directory is left as it was", flush=True)
+        return 0
     log = open_metrics_log(s)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     progress = Progress(cfg.train.steps, state.step, s.rank == 0)
@@ -42,8 +53,9 @@ def train(s: Session) -> int:
     rollback = Rollback(s, log, progress)
     between_steps = (validation, Scoring(s, log, progress), checkpointing)
     progress.write(start_line(s, fpt))  # rank 0 only, and above the progress bar
-    if validation.notice():
-        progress.write(validation.notice())
+    for notice in (validation.notice(), schedule_notice(cfg.optim, cfg.train.steps)):
+        if notice:
+            progress.write(notice)
 
     stop, stopped_by, start_step = distributed.StopFlag(), 0, state.step
     while state.step < cfg.train.steps:

@@ -40,6 +40,7 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     if path is None:
         check_not_moved(cfg, ckpt.root)
         return None, ""
+    check_steps_left(path, cfg.train.steps)  # nothing could run, and config.toml would get a train.steps never run
     saved = saved_config(path)  # read once: on a store every read is a request
     if saved.get("model"):  # saved before model.parametrization existed: it was sp
         saved["model"] = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, **saved["model"]}
@@ -64,6 +65,17 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
 def claim_checkpoint_dir(cfg: Config, root: str) -> None:
     """Write the owner record of an explicit checkpoint.dir if it has none (rank 0; check_owner's claim)."""
     check_owner(cfg, root)()
+
+
+def check_steps_left(path: str, steps: int) -> None:
+    """CheckpointError when steps (train.steps) is below the steps done in checkpoint path (named step_N); equal is
+    a finished run, which the loop leaves as it is."""
+    name = path.rstrip("/").rsplit("/", 1)[-1].removeprefix("step_")
+    done = int(name) if name.isdigit() else 0
+    if done > steps:
+        raise CheckpointError(f"train.steps ({steps}) is below the {done} steps already done in {path}: pass "
+                              f"--train.steps above {done} to continue this run, or branch from an earlier "
+                              f"checkpoint with --checkpoint.load_from and a new --run_dir")
 
 
 OWNER_FILE = "owner.json"
