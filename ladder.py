@@ -241,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher", default=f"{sys.executable} -m torch.distributed.run --standalone "
                                               f"--nproc_per_node=1", help="the command that starts each rung")
     parser.add_argument("--script", default="train_fsdp.py", choices=["train_fsdp.py", "train_2d.py"])
-    a, rest = parser.parse_known_args(argv)
+    try:
+        a, rest = parser.parse_known_args(argv)
+    except SystemExit as e:  # --help, or a bad flag already reported as one error line
+        return e.code
     try:
         cfg = parse_config(rest, require_file=True)
         sizes = [s for s in a.rungs.split(",") if s]
