@@ -37,7 +37,7 @@ from parallel.context_parallel import check_cp_layout
 from parallel.distributed import local_world_size, resolve_device
 from parallel.parallelize import ParallelConfig, check_layout
 from storage.fs import check_location
-from storage.rundir import RunDir
+from storage.rundir import RunDir, check_local_dir
 
 
 @dataclasses.dataclass
@@ -367,32 +367,12 @@ def validate(cfg: Config, world_size: int) -> None:
 
 
 def check_run_dir(run_dir: str) -> None:
-    """Check that run_dir can be written: an existing directory, or one its nearest existing parent lets us create.
+    """Check that run_dir is a local directory that can be written (rundir.check_local_dir); creates nothing.
 
-    Creates nothing (lock_run_dir creates it when the run starts), so a start refused later
-    leaves no trace. Raises SetupError naming it (empty, a file, unwritable, an impossible
-    path) and the fix.
+    lock_run_dir creates it when the run starts, so a start refused later leaves no trace.
+    Raises SetupError naming it (a URL, empty, a file, unwritable, an impossible path) and the fix.
     """
-    if not run_dir:
-        raise SetupError("--run_dir is empty; give the directory of the run, e.g. --run_dir runs/debug")
-    try:
-        if os.path.isdir(run_dir):
-            probe = os.path.join(run_dir, f".write_probe_{os.getpid()}")
-            open(probe, "w").close()
-            os.remove(probe)
-            return
-        if os.path.lexists(run_dir):
-            raise NotADirectoryError(20, "not a directory")
-        parent = os.path.dirname(os.path.abspath(run_dir))
-        while not os.path.lexists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):
-            raise NotADirectoryError(20, f"'{parent}' is not a directory")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise PermissionError(13, f"'{parent}' is not writable")
-    except (OSError, ValueError) as e:  # ValueError: e.g. a NUL byte in the path
-        reason = e.strerror if isinstance(e, OSError) else str(e)
-        raise SetupError(f"--run_dir {run_dir!r} is not writable ({reason}); choose another directory") from e
+    check_local_dir(run_dir, "--run_dir", "; checkpoints can go to object storage with --checkpoint.dir s3://BUCKET/PREFIX")
 
 
 def load_run(run_dir: str, checkpoint: str = "") -> tuple[Config, str, str]:

@@ -32,9 +32,10 @@ import sys
 import numpy as np
 
 from config import Config, parse_config
+from core import cli
 from core.errors import ConfigError, UserError, report
 from model import ModelArgs, num_params
-from storage.rundir import RunDir
+from storage.rundir import RunDir, check_local_dir
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -91,7 +92,9 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
     tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
     rungs = []
     for size in sizes:
-        args = rung_args(cfg.model, *parse_size(size))
+        width, depth = parse_size(size)
+        size = f"{width}x{depth}"  # one spelling (16X1, 016x1 -> 16x1), so a size given twice is seen as one
+        args = rung_args(cfg.model, width, depth)
         steps = math.ceil(tokens_per_param * num_params(args, exclude_embedding=True) / tokens_per_step)
         rungs.append(Rung(size, args, steps, os.path.join(ladder_dir, f"rung_{size}")))
     return rungs
@@ -99,7 +102,8 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
 
 def check_inputs(rungs: list[Rung], launcher: list[str], ladder_dir: str) -> None:
     """ConfigError before anything runs: a size given twice (rungs and checks share run directories), a launcher
-    that is not a command, a ladder_dir that is a file."""
+    that is not a command, a ladder_dir that is not a local folder this process can create or write (a URL, a file,
+    a read-only or impossible location; rundir.check_local_dir)."""
     names = [r.name for r in rungs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -107,8 +111,7 @@ def check_inputs(rungs: list[Rung], launcher: list[str], ladder_dir: str) -> Non
     if not launcher or shutil.which(launcher[0]) is None:
         raise ConfigError(f"--launcher {shlex.join(launcher)!r}: {launcher[0] if launcher else 'an empty command'} "
                           f"is not a command here; e.g. --launcher \"torchrun --standalone --nproc_per_node=2\"")
-    if os.path.exists(ladder_dir) and not os.path.isdir(ladder_dir):
-        raise ConfigError(f"--ladder_dir '{ladder_dir}' is a file; choose a folder")
+    check_local_dir(ladder_dir, "--ladder_dir", "; each rung is a run directory, which is local")
 
 
 def final_val_loss(run_dir: str, steps: int) -> float | None:
@@ -229,15 +232,19 @@ def write_report(rungs: list[Rung], checks: list[Rung], target: ModelArgs, ladde
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rungs", required=True, help="comma-separated WIDTHxDEPTH sizes to fit (>= 3)")
     parser.add_argument("--check", default="", help="comma-separated sizes trained but kept out of the fit")
-    parser.add_argument("--tokens_per_param", type=float, default=20.0)
+    parser.add_argument("--tokens_per_param", type=cli.number(float, lambda v: 0 < v < math.inf, "a finite number > 0"),
+                        default=20.0)
     parser.add_argument("--ladder_dir", default="runs/ladder")
     parser.add_argument("--launcher", default=f"{sys.executable} -m torch.distributed.run --standalone "
                                               f"--nproc_per_node=1", help="the command that starts each rung")
     parser.add_argument("--script", default="train_fsdp.py", choices=["train_fsdp.py", "train_2d.py"])
-    a, rest = parser.parse_known_args(argv)
+    try:
+        a, rest = parser.parse_known_args(argv)
+    except SystemExit as e:  # --help, or a bad flag already reported as one error line
+        return e.code
     try:
         cfg = parse_config(rest, require_file=True)
         sizes = [s for s in a.rungs.split(",") if s]
@@ -245,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--rungs needs at least 3 sizes to fit E + A N^-alpha, got {len(sizes)}")
         rungs = plan(cfg, sizes, a.tokens_per_param, a.ladder_dir)
         checks = plan(cfg, [s for s in a.check.split(",") if s], a.tokens_per_param, a.ladder_dir)
-        launcher = shlex.split(a.launcher)
+        try:
+            launcher = shlex.split(a.launcher)
+        except ValueError as e:  # an unclosed quote
+            raise ConfigError(f"--launcher {a.launcher!r} cannot be read as a command ({e}); close its quotes") from None
         check_inputs(rungs + checks, launcher, a.ladder_dir)
         for r in rungs + checks:
             r.val_loss = train(r, cfg, rest, launcher, a.script)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 
 from core.cli import ArgumentParser, number
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         require("matplotlib", "plot", "plot.py")
         runs = [(label, *read_metrics(RunDir(d).metrics))
                 for label, d in zip(run_labels(a.run_dirs), a.run_dirs)]
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/", a.out):  # s3://b/p.png would become a local folder 's3:'
+            raise PlotError(f"--out {a.out!r} is a URL; pass a local file ending in .png")
         rollbacks = [read_rollbacks(RunDir(d).metrics) for d in a.run_dirs]
         try:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

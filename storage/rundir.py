@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+import re
 import socket
 
 from core.errors import SetupError
@@ -93,6 +94,35 @@ class RunDir:
         return self._path("eval_data", digest)
 
 
+def check_local_dir(path: str, flag: str, remote_hint: str = "") -> None:
+    """Check that path is a local directory this process can write: an existing one, or one it can create.
+
+    Writability is tried, not asked (os.access says yes to root on a read-only mount or under
+    /proc): a probe directory is made and removed in the directory itself or in its nearest
+    existing parent, so nothing is left behind. Raises SetupError naming flag and the fix for a
+    URL (remote_hint: where a URL is supported instead), an empty path, a file, or a location
+    that cannot be written.
+    """
+    if not path:
+        raise SetupError(f"{flag} is empty; give a local directory, e.g. {flag} runs/debug")
+    if "://" in path or re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/", path):  # s3:/x too: not a folder named 's3:'
+        raise SetupError(f"{flag} {path!r}: must be a local directory{remote_hint}")
+    try:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise NotADirectoryError(20, "it is a file, not a directory")
+        parent = os.path.abspath(path)
+        while not os.path.lexists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(20, f"'{parent}' is a file, not a directory")
+        probe = os.path.join(parent, f".write_probe_{os.getpid()}")
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except (OSError, ValueError) as e:  # ValueError: e.g. a NUL byte in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise SetupError(f"{flag} {path!r} cannot be written ({reason}); choose another directory") from None
+
+
 def lock_run_dir(run_dir: str):
     """Hold an exclusive lock on the run directory (RunDir.lock) for as long as the returned file stays open.
 
@@ -101,8 +131,11 @@ def lock_run_dir(run_dir: str):
     SIGKILL, so no stale lock survives a crash. File systems without locks are not guarded.
     Raises SetupError naming the holder.
     """
-    os.makedirs(run_dir, exist_ok=True)  # config.check_run_dir checked it can be, and created nothing
-    f = open(RunDir(run_dir).lock, "a+")
+    try:  # config.check_run_dir checked it can be, and created nothing; a race or a lying mount can still refuse
+        os.makedirs(run_dir, exist_ok=True)
+        f = open(RunDir(run_dir).lock, "a+")
+    except OSError as e:
+        raise SetupError(f"--run_dir {run_dir!r} cannot be written ({e.strerror or e}); choose another directory") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

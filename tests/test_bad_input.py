@@ -196,11 +196,21 @@ def test_tokenizer_larger_than_the_model(existing_run, monkeypatch, capsys, big_
     assert rc == 2 and "has 600 tokens but model.vocab_size is 512" in err
 
 
-def test_unwritable_run_directory(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("where, msg", [
+    ("under_a_file", "cannot be written"),
+    ("a_file", "cannot be written (it is a file, not a directory)"),
+    ("/proc/forbidden/run", "cannot be written"),  # os.access says yes to root here; only trying tells
+    ("s3://bucket/run", "must be a local directory; checkpoints can go to object storage with --checkpoint.dir s3://"),
+    ("s3:/bucket/run", "must be a local directory"),
+])
+def test_unusable_run_directory_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys, where, msg):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(blocker / "run"))
-    assert rc == 2 and "is not writable" in err and "choose another directory" in err
+    run_dir = {"under_a_file": str(blocker / "run"), "a_file": str(blocker)}.get(where, where)
+    monkeypatch.chdir(tmp_path)  # a URL taken for a local path would show up here as ./s3:/...
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", run_dir)
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and msg in err, err
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
 def _errors(stderr):

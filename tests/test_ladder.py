@@ -43,12 +43,37 @@ def test_rungs_keep_the_targets_head_dim_ratios_and_tokens_per_parameter(tmp_pat
     ([*TARGET, "--rungs", "32x2,64x2,big"], "ladder size 'big' is not WIDTHxDEPTH"),
     ([*TARGET, "--model.base_dim", "64", "--rungs", "32x2,64x2,128x2"], "ladder size 32x2: model.parametrization"),
     ([*TARGET, "--rungs", "32x2,64x2,96x2", "--check", "64x2"], "ladder size 64x2 is given twice"),
-    ([*TARGET, "--rungs", "32x2,64x2,96x2", "--tokens_per_param", "inf"], "--tokens_per_param must be a finite"),
+    ([*TARGET, "--rungs", "32x2,64x2,96x2", "--tokens_per_param", "inf"], "--tokens_per_param: expected a finite"),
+    ([*TARGET, "--rungs", "32x2,64x2,96x2", "--tokens_per_param", "lots"], "--tokens_per_param: expected a finite"),
+    ([*TARGET, "--rungs", "32x2,64x2,96x2,064X2"], "ladder size 64x2 is given twice"),
+    ([*TARGET, "--rungs", "32x2,64x2,96x2", "--check", "32X2"], "ladder size 32x2 is given twice"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys, argv, msg):
     rc = ladder.main([*argv, "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
+    assert not os.path.exists(tmp_path / "l")
+
+
+@pytest.mark.parametrize("ladder_dir, msg", [
+    ("s3://bucket/ladder", "--ladder_dir 's3://bucket/ladder': must be a local directory"),
+    ("/proc/forbidden/ladder", "--ladder_dir '/proc/forbidden/ladder' cannot be written"),
+    ("a_file/ladder", "cannot be written"),
+])
+def test_an_unusable_ladder_dir_is_one_line_and_creates_nothing(tmp_path, monkeypatch, capsys, ladder_dir, msg):
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.chdir(tmp_path)  # a URL taken for a local path would show up here as ./s3:/...
+    rc = ladder.main([*TARGET, "--rungs", "32x2,64x2,96x2", "--ladder_dir", ladder_dir, "--launcher", "false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
+    assert os.listdir(tmp_path) == ["a_file"]
+
+
+def test_a_launcher_with_an_unclosed_quote_is_one_line(tmp_path, capsys):
+    rc = ladder.main([*TARGET, "--rungs", "32x2,64x2,96x2", "--ladder_dir", str(tmp_path / "l"),
+                      "--launcher", "torchrun 'oops"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--launcher \"torchrun 'oops\" cannot be read as a command" in err[0], err
     assert not os.path.exists(tmp_path / "l")
 
 

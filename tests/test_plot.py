@@ -1,6 +1,7 @@
 """plot.py draws two synthetic runs into a valid PNG and refuses bad input with one line 'error: ...' and status 2."""
 import json
 import math
+import os
 
 import pytest
 
@@ -108,6 +109,19 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "no run directories" in refused(plot.main, ["--out", out], capsys)
     assert "--smooth" in refused(plot.main, [str(bad), "--out", out, "--smooth", "0"], capsys)
     assert not (tmp_path / "curves.png").exists()
+
+
+@pytest.mark.parametrize("out, msg", [
+    ("s3://bucket/curves.png", "--out 's3://bucket/curves.png' is a URL; pass a local file ending in .png"),
+    ("/proc/forbidden/curves.png", "cannot write /proc/forbidden/curves.png"),
+    ("run/metrics.jsonl/curves.png", "cannot write run/metrics.jsonl/curves.png"),
+])
+def test_an_unusable_out_is_one_line_and_creates_nothing(tmp_path, capsys, monkeypatch, out, msg):
+    pytest.importorskip("matplotlib")
+    _write_run(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)  # a URL taken for a local path would show up here as ./s3:/...
+    assert msg in refused(plot.main, ["run", "--out", out], capsys)
+    assert os.listdir(tmp_path) == ["run"] and os.listdir(tmp_path / "run") == ["metrics.jsonl"]
 
 
 def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
