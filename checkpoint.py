@@ -170,31 +170,6 @@ def complete_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted((step, path) for step, path in found if is_complete(path))
 
 
-SET_ASIDE = "diverged_at_step_{step}"
-"""The folder under a checkpoint root that set_aside moves checkpoints into: no resume, load or prune looks there."""
-
-
-def set_aside(root: str, after: int, step: int) -> tuple[list[int], str]:
-    """Move the complete checkpoints under root newer than step `after` into root/SET_ASIDE (rank 0).
-
-    They are kept whole (step: the divergent step, which names the folder; .2, .3 ... when that
-    name is taken), but resume discovery, checkpoint.keep's pruning and clean_partial match only
-    step_N names at root's top, so the next start resumes from the newest at or before `after`.
-    Returns (the steps moved, the folder); ([], '') when none is newer. Raises OSError when a
-    move fails (what was moved stays moved).
-    """
-    later = [(s, path) for s, path in complete_checkpoints(root) if s > after]
-    if not later:
-        return [], ""
-    folder, n = fs.join(root, SET_ASIDE.format(step=step)), 1
-    while fs.exists(folder):
-        n += 1
-        folder = fs.join(root, f"{SET_ASIDE.format(step=step)}.{n}")
-    for _, path in later:
-        fs.move(path, fs.join(folder, os.path.basename(path.rstrip("/"))), first=COMMIT_MARKER)
-    return [s for s, _ in later], folder
-
-
 def read_metadata(path: str):
     """DCP metadata of a checkpoint (a directory or URL); raises CheckpointError naming the file if unreadable
     or, on a URL, if the checkpoint was never committed."""

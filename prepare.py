@@ -35,7 +35,7 @@ from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
 from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
-from data_pipeline.sources import check_source, iter_documents, source_files, source_units, txt_notice
+from data_pipeline.sources import check_source, files_record, iter_documents, source_changed, source_units, txt_notice
 from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
 from observability.progress import duration
 from parallel import distributed
@@ -278,10 +278,10 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         if record is not None and record["config"] != src.reading():
             raise _other_settings(out_dir, _changed(record["config"], src.reading(), src.field),
                                   "" if src.name == DEFAULT_SOURCE else "another source name, ")
-        files[src.name] = _files_record(src)
+        files[src.name] = files_record(src)
         if record is not None and record.get("files") and files[src.name] and \
                 record["files"]["digest"] != files[src.name]["digest"]:
-            raise _source_changed(src, out_dir, record["files"], files[src.name])
+            raise source_changed(src, out_dir, record["files"], files[src.name])
         same = [r for r in meta["sources"].values() if r["config"] == src.reading()]
         if record is None and same:  # prepared under another name: the same tokens
             meta["sources"][src.name], changed = same[0], True
@@ -297,27 +297,6 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         if notice:
             print(f"[data] notice: {notice}", flush=True)
     return {"work": work, "meta": meta, "todo": todo, "changed": changed, "files": files}
-
-
-def _files_record(src) -> dict | None:
-    """What a local source's tokens are made from: {"n", "bytes", "digest" of the paths and sizes}; None for stdlib
-    and hub datasets. Sizes, not modification times: a copy or a sync that keeps the text must not read as a change."""
-    found = source_files(src)
-    if found is None:
-        return None
-    listing = [(path, size) for path, size, _ in found]
-    return {"n": len(listing), "bytes": sum(size for _, size in listing),
-            "digest": hashlib.sha1(json.dumps(listing).encode()).hexdigest()}
-
-
-def _source_changed(src, out_dir: str, then: dict, now: dict) -> DataError:
-    def files(r):
-        return f"{r['n']} file{'s' if r['n'] != 1 else ''}, {r['bytes']:,} bytes"
-
-    return DataError(f"{src.field('dataset')}: '{src.dataset}' changed since it was tokenized into '{out_dir}' "
-                     f"({files(then)} then, {files(now)} now), so its prepared tokens are stale; move '{out_dir}' away "
-                     f"and run again to tokenize it anew (a run with checkpoints: a new --run_dir with --data.tokenizer "
-                     f"{os.path.join(out_dir, 'tokenizer.json')} keeps their tokenizer)")
 
 
 def _say_cap(src, verb: str, n_documents: int | None = None) -> None:

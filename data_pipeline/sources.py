@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import glob
+import hashlib
 import itertools
+import json
 import os
 import sysconfig
 from typing import Callable, Iterator
@@ -239,3 +241,24 @@ def iter_documents(cfg: SourceConfig) -> Iterator[str]:
     docs = (text for unit in source_units(cfg) for text in unit())
     yield from itertools.islice(docs, cfg.max_documents or None)
 
+
+def files_record(src: SourceConfig) -> dict | None:
+    """What a local source's tokens are made from: {"n", "bytes", "digest" of the paths and sizes}; None for stdlib
+    and hub datasets. Sizes, not modification times: a copy or a sync that keeps the text must not read as a change."""
+    found = source_files(src)
+    if found is None:
+        return None
+    listing = [(path, size) for path, size, _ in found]
+    return {"n": len(listing), "bytes": sum(size for _, size in listing),
+            "digest": hashlib.sha1(json.dumps(listing).encode()).hexdigest()}
+
+
+def source_changed(src: SourceConfig, out_dir: str, then: dict, now: dict) -> DataError:
+    """The DataError of a local source whose files (files_record: then, now) changed after it was tokenized into out_dir."""
+    def files(r):
+        return f"{r['n']} file{'s' if r['n'] != 1 else ''}, {r['bytes']:,} bytes"
+
+    return DataError(f"{src.field('dataset')}: '{src.dataset}' changed since it was tokenized into '{out_dir}' "
+                     f"({files(then)} then, {files(now)} now), so its prepared tokens are stale; move '{out_dir}' away "
+                     f"and run again to tokenize it anew (a run with checkpoints: a new --run_dir with --data.tokenizer "
+                     f"{os.path.join(out_dir, 'tokenizer.json')} keeps their tokenizer)")

@@ -371,6 +371,7 @@ def test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused(existi
     assert sorted(got) == [1, 2, 3, 4] and all(abs(got[k] - want[k]) <= 1e-6 * want[k] for k in want)
 
 
+@pytest.mark.slow  # the existing_run fixture trains
 def test_load_from_a_checkpoint_of_another_tokenizer_is_refused(existing_run, big_tokenizer, tmp_path, monkeypatch,
                                                                  capsys):
     """This run's tokenizer (data.tokenizer) encodes otherwise than the checkpoint's: one line naming both."""

@@ -36,6 +36,7 @@ from model import PRESETS, ModelArgs, Transformer
 from parallel import distributed
 from s3server import Relay, start_server
 from storage import fs
+from training import rollback
 
 BUCKET = "tests"
 
@@ -137,8 +138,8 @@ def test_checkpoints_set_aside_move_whole_where_no_resume_looks(where, tmp_path,
         if where == "local":
             os.makedirs(ckpt_lib.step_dir(root, step))
         _fake_checkpoint(root, step)
-    assert ckpt_lib.set_aside(root, 9, 10) == ([], "")
-    moved, folder = ckpt_lib.set_aside(root, 3, 10)
+    assert rollback.set_aside(root, 9, 10) == ([], "")
+    moved, folder = rollback.set_aside(root, 3, 10)
     assert moved == [6, 9] and folder == fs.join(root, "diverged_at_step_10")
     assert [s for s, _ in ckpt_lib.complete_checkpoints(root)] == [3]  # what a resume finds
     assert [s for s, _ in ckpt_lib.complete_checkpoints(folder)] == [6, 9]
@@ -146,7 +147,7 @@ def test_checkpoints_set_aside_move_whole_where_no_resume_looks(where, tmp_path,
     if where == "local":
         os.makedirs(ckpt_lib.step_dir(root, 6))
     _fake_checkpoint(root, 6)  # the next run saved step 6 again, and stopped at step 10 again
-    assert ckpt_lib.set_aside(root, 3, 10) == ([6], fs.join(root, "diverged_at_step_10.2"))
+    assert rollback.set_aside(root, 3, 10) == ([6], fs.join(root, "diverged_at_step_10.2"))
     assert [s for s, _ in ckpt_lib.complete_checkpoints(folder)] == [6, 9]
 
 

@@ -19,14 +19,16 @@ The count is saved in the train state; once train.rollback are made, the next di
 stops the run before the update with one line: the checkpoint the next run resumes from (the
 newest good one; none before the first: then the next run starts over), the skips, and the
 [[train.skip]] tables to add. The checkpoints newer than that one (an outlier's update may be in
-them) are moved, whole, into a folder beside them that no resume looks in (checkpoint.set_aside),
+them) are moved, whole, into a folder beside them that no resume looks in (set_aside, below),
 which the line names; so the same command with those tables added is a fresh run given them from
 the start. train.rollback_lr_factor f < 1 scales the schedule by f after each rollback (f^n after
 n rollbacks, also when a resume loads a checkpoint saved after them).
 """
 from __future__ import annotations
 
-from checkpoint import complete_checkpoints, set_aside
+import os
+
+from checkpoint import COMMIT_MARKER, complete_checkpoints
 from core.errors import TrainingError, UserError, one_line
 from data_pipeline.loader import merge_ranges
 from observability.metrics import MetricsLog
@@ -124,7 +126,7 @@ def _tables(loader, bad: tuple[int, int], d: Divergence) -> str:
 
 
 def _set_aside(root: str, after: int, step: int) -> tuple[list[int], str, str]:
-    """checkpoint.set_aside, its failure as text: (steps moved, folder, '' or why it failed)."""
+    """set_aside, its failure as text: (steps moved, folder, '' or why it failed)."""
     try:
         return (*set_aside(root, after, step), "")
     except (OSError, UserError) as e:  # the stop's line must still reach every rank, naming what to move by hand
@@ -142,3 +144,28 @@ def _remove_after(root: str, step: int) -> None:
     for later, path in complete_checkpoints(root):
         if later > step:
             fs.remove(path)
+
+
+SET_ASIDE = "diverged_at_step_{step}"
+"""The folder under a checkpoint root that set_aside moves checkpoints into: no resume, load or prune looks there."""
+
+
+def set_aside(root: str, after: int, step: int) -> tuple[list[int], str]:
+    """Move the complete checkpoints under root newer than step `after` into root/SET_ASIDE (rank 0).
+
+    They are kept whole (step: the divergent step, which names the folder; .2, .3 ... when that
+    name is taken), but resume discovery, checkpoint.keep's pruning and clean_partial match only
+    step_N names at root's top, so the next start resumes from the newest at or before `after`.
+    Returns (the steps moved, the folder); ([], '') when none is newer. Raises OSError when a
+    move fails (what was moved stays moved).
+    """
+    later = [(s, path) for s, path in complete_checkpoints(root) if s > after]
+    if not later:
+        return [], ""
+    folder, n = fs.join(root, SET_ASIDE.format(step=step)), 1
+    while fs.exists(folder):
+        n += 1
+        folder = fs.join(root, f"{SET_ASIDE.format(step=step)}.{n}")
+    for _, path in later:
+        fs.move(path, fs.join(folder, os.path.basename(path.rstrip("/"))), first=COMMIT_MARKER)
+    return [s for s, _ in later], folder
