@@ -412,3 +412,15 @@ def test_a_finished_run_started_again_with_a_lower_lr_leaves_its_run_directory_a
     proc = debug_run(1, existing_run, "--train.steps", "2", "--optim.lr", "1e-5")
     assert "[train] finished: step 2 of 2 already; nothing to run, the run directory is left as it was" in proc.stdout
     assert (existing_run / "config.toml").read_text() == config and _snapshot(existing_run) == before
+
+
+@pytest.mark.slow  # the existing_run fixture trains
+def test_a_checkpoint_that_cannot_continue_is_refused_before_any_data_is_prepared(existing_run, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """docs/optimizers.md's anneal from another optimizer's checkpoint: refused before minutes of tokenizing."""
+    rd = tmp_path / "anneal"
+    start = str(existing_run / "checkpoints" / "step_00000002")
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(rd), "--checkpoint.load_from", start,
+                               "--optim.name", "muon", "--train.steps", "4")
+    assert rc == 2 and "holds the state of optim.name 'adamw', but this run has 'muon'" in err, err
+    assert not (rd / "data").exists() and not (rd / "data.tmp").exists()
