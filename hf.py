@@ -246,7 +246,10 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
 
 
 def check_out(out_dir: str) -> None:
-    """Raise HFError unless out_dir is free for an export: absent or an empty folder (nothing is overwritten)."""
+    """Raise HFError unless out_dir is free for an export: a local path, absent or an empty folder (nothing is
+    overwritten)."""
+    if "://" in out_dir or re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/", out_dir):  # else a local folder 's3:' is made
+        raise HFError(f"--out '{out_dir}' is a URL; export to a local folder, then copy it to the store")
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise HFError(f"--out '{out_dir}' is a file, not a folder; choose a folder path that does not exist")
     try:

@@ -41,7 +41,7 @@ from observability.progress import duration
 from parallel import distributed
 from storage import fs
 from storage.fs import check_location
-from storage.rundir import RunDir
+from storage.rundir import RunDir, check_local_dir
 
 
 def pack_documents(docs: Iterable[list[int]], eot_id: int, dtype: str = "uint32") -> np.ndarray:
@@ -413,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             del argv[i:i + 2]
             if os.path.lexists(out):
                 raise ConfigError(f"--out '{out}' exists; choose a path that does not (nothing is overwritten)")
+            check_local_dir(os.path.dirname(out) or ".", "--out's folder")  # before minutes of training
         cfg = parse_config(argv, __doc__, require_file=True)
         check_source(cfg.data)
         if command == "tokenizer":

@@ -161,8 +161,10 @@ class MetricsLog:
         """(metrics.jsonl's lines without the records of steps after step, or None when that is all of them; whether
         a whole record is dropped, whose step W&B may hold).
 
-        A rollback record of a later step stays when it went back to a step before
-        rollbacks_before: the state resumed from was saved after it, so it counts that rollback.
+        A rollback record of a later step stays when it went back to rollbacks_before or earlier:
+        the state resumed from was saved after it (so it counts that rollback), or is the one it
+        went back to (the stop of a spent budget: its remedy resumes there with the skips added, and
+        the record is the run's history; should the rollback happen again, note keeps one record).
         """
         if not os.path.exists(self.path):
             return None, False
@@ -172,7 +174,7 @@ class MetricsLog:
         for line in lines:
             try:
                 record = json.loads(line)
-                if record.get("step", 0) <= step or record.get("rollback", {}).get("to_step", math.inf) < \
+                if record.get("step", 0) <= step or record.get("rollback", {}).get("to_step", math.inf) <= \
                         rollbacks_before:
                     kept.append(line.rstrip("\n") + "\n")
                 else:
@@ -182,8 +184,17 @@ class MetricsLog:
         return (None if kept == lines else kept), dropped
 
     def note(self, record: dict) -> None:
-        """Append record (an int "step" and anything JSON holds) to metrics.jsonl only: an event, not a scalar."""
+        """Append record (an int "step" and anything JSON holds) to metrics.jsonl only: an event, not a scalar.
+
+        A rollback record that metrics.jsonl already holds (the same step, target and skip: the
+        same rollback made again after a resume from its target) is not written twice.
+        """
         if self.enabled:
+            if "rollback" in record and os.path.exists(self.path):
+                key = _rollback_key(record)
+                with open(self.path) as f:
+                    if any(_rollback_key(_loads(line)) == key for line in f if '"rollback"' in line):
+                        return
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
@@ -207,3 +218,17 @@ class MetricsLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _loads(line: str) -> dict:
+    """A metrics.jsonl line as a dict; {} for a line a crash cut."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return {}
+
+
+def _rollback_key(record: dict) -> tuple | None:
+    """What makes two rollback records the same rollback: (step, to_step, skip); None for other records."""
+    rb = record.get("rollback")
+    return (record.get("step"), rb.get("to_step"), tuple(rb.get("skip", ()))) if isinstance(rb, dict) else None

@@ -12,7 +12,7 @@ import generate
 import hf
 from data_pipeline import tokenizer
 from debug_export import debug_run_dir
-from launch import ROOT, refused
+from launch import DEBUG, ROOT, refused
 from model import ModelArgs
 from models import random_model
 
@@ -169,3 +169,18 @@ def test_a_real_command_line_prints_one_line_and_exits_2(tmp_path, script, argv,
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("error: ") and words in proc.stderr.splitlines()[0], proc.stderr
     assert proc.stdout == "" and bad.read_bytes() == b"\xff\xfe"
+
+
+@pytest.mark.parametrize("where", ["s3://b/x", "s3:/b/x", "/proc/forbidden/t"])
+def test_an_output_that_is_a_url_or_cannot_be_made_is_one_line_and_nothing_is_created(tmp_path, capsys, monkeypatch,
+                                                                                      where):
+    """hf.py export --out and prepare.py tokenizer --out: refused before any work, no local 's3:' tree."""
+    import prepare
+
+    monkeypatch.chdir(tmp_path)
+    if "://" in where or where.startswith("s3:/"):
+        with pytest.raises(hf.HFError, match="is a URL; export to a local folder"):
+            hf.check_out(where)
+    line = refused(prepare.main, ["tokenizer", "--config", DEBUG, "--out", where], capsys)
+    assert "--out" in line and "cannot be written" in line or "must be a local directory" in line, line
+    assert os.listdir(tmp_path) == []

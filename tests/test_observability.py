@@ -164,3 +164,21 @@ def test_a_bad_config_under_torchrun_prints_one_error_line_and_torchrun_shows_it
     assert proc.returncode != 0
     assert sum(line.startswith(message) for line in out.splitlines()) == 1, out[-3000:]
     assert "<N/A>" not in out and out.count(message) >= 2, out[-3000:]  # printed once, and in torchrun's summary
+
+
+def test_a_rollback_record_survives_a_resume_from_its_target_and_is_never_written_twice(tmp_path):
+    """After a spent budget's stop, its remedy resumes from the checkpoint the earlier rollback went back to: that
+    rollback is history (plot.py marks it), kept; made again (a resume without the remedy), it is not doubled."""
+    from observability.metrics import MetricsLog
+
+    rollback = {"step": 10, "rollback": {"to_step": 8, "skip": [9, 10], "trigger": "non-finite"}}
+    lines = [{"step": s, "loss": 1.0} for s in range(1, 11)] + [rollback] + \
+            [{"step": s, "loss": 2.0} for s in range(9, 13)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    log = MetricsLog(str(tmp_path), True, resume_step=8)
+    kept = metrics(tmp_path)
+    assert [r["step"] for r in kept if "loss" in r] == list(range(1, 9)) and rollback in kept
+    log.note(rollback)  # the same rollback, made again
+    log.note({**rollback, "step": 12, "rollback": {**rollback["rollback"], "skip": [9, 12]}})  # another one
+    assert [r.get("rollback", {}).get("skip") for r in metrics(tmp_path) if "rollback" in r] == [[9, 10], [9, 12]]
+    log.close()
