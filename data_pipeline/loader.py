@@ -78,10 +78,9 @@ class GlobalBatchLoader:
             if src.n_train < most:
                 what = "data.dataset" if src.name == DEFAULT_SOURCE else f"data.sources[{src.name}]"
                 raise DataError(
-                    f"{what}: only {src.n_train} training sequences of {corpus.seq_len} tokens, fewer than the "
-                    f"{most} it gives one global batch of {largest} sequences (train.global_batch_size, or its largest "
-                    f"batch stage); use more "
-                    f"text, a shorter data.seq_len, a smaller batch or a smaller weight"
+                    f"{what}: only {src.n_train} training sequences of {corpus.seq_len} tokens, but one global batch "
+                    f"of {largest} sequences (train.global_batch_size, or its largest batch stage) draws up to {most} "
+                    f"from it; use more text, a shorter data.seq_len, a smaller batch or a smaller weight"
                 )
         self.corpus = corpus
         self.micro_batch_size = micro_batch_size

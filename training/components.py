@@ -107,13 +107,16 @@ class Validation:
         self.loss_group = loss_mesh(s.mesh).get_group()
 
     def notice(self) -> str:
-        """One line for the start when a source of a mixture has too few held-out windows to be validated, else ''."""
+        """One line for the start when the corpus, or a source of a mixture, has too few held-out windows to be
+        validated (fewer than the data-parallel ranks), else ''."""
         cfg, names = self.s.cfg, self.s.corpus.names
         unvalidated = [n for n in names if n not in {v.name for v in self.sets}]
-        if not (cfg.train.val_interval and len(names) > 1 and unvalidated):
+        if not (cfg.train.val_interval and unvalidated):
             return ""
-        return (f"[train] notice: no val_loss/<name> for {', '.join(unvalidated)}: fewer held-out windows than the "
-                f"{self.s.dp} data-parallel rank(s); raise data.val_fraction or give the source more text")
+        what = "no val_loss at all" if len(unvalidated) == len(names) else \
+            f"no val_loss/<name> for {', '.join(unvalidated)}"
+        return (f"[train] notice: {what}: fewer held-out windows than the {self.s.dp} data-parallel rank(s); raise "
+                f"data.val_fraction or give the source more text")
 
     def due(self, step: int, result: StepResult) -> bool:
         t = self.s.cfg.train
