@@ -176,7 +176,10 @@ def read_metadata(path: str):
     meta_file = fs.join(path, ".metadata")
     try:
         if not fs.isfile(meta_file):
-            raise CheckpointError(f"checkpoint '{path}': no .metadata file; it is not a complete DCP checkpoint")
+            hint = ("it does not exist" if not fs.exists(path) else "no .metadata file (it is a run directory)" if
+                    fs.exists(fs.join(path, "checkpoints")) else "no .metadata file, so not a complete DCP checkpoint")
+            raise CheckpointError(f"checkpoint '{path}': {hint}; give a checkpoint folder, e.g. "
+                                  f"RUN_DIR/checkpoints/step_00000200")
         if fs.is_url(path) and not fs.isfile(fs.join(path, COMMIT_MARKER)):
             raise CheckpointError(f"checkpoint '{path}' has no {COMMIT_MARKER} marker: its save never finished; "
                                   f"pick another checkpoint")

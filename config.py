@@ -36,7 +36,7 @@ from parallel import float8
 from parallel.context_parallel import check_cp_layout
 from parallel.distributed import local_world_size, resolve_device
 from parallel.parallelize import ParallelConfig, check_layout
-from storage.fs import check_location
+from storage.fs import check_location, is_url
 from storage.rundir import RunDir, check_local_dir
 
 
@@ -352,6 +352,8 @@ def validate(cfg: Config, world_size: int) -> None:
             )
     check_tasks(cfg.eval)
     check_location(cfg.checkpoint.dir, "--checkpoint.dir")
+    if cfg.checkpoint.dir and not is_url(cfg.checkpoint.dir):  # else a traceback after the data is prepared
+        check_local_dir(cfg.checkpoint.dir, "--checkpoint.dir")
     check_location(cfg.checkpoint.load_from, "--checkpoint.load_from")
     check_run_dir(cfg.run_dir)
     if d.prepared:

@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         check_run_dir(cfg.run_dir)
         check_location(cfg.data.prepared, "--data.prepared")
+        if cfg.data.prepared and not fs.is_url(cfg.data.prepared):  # where it publishes: before the tokenizing
+            check_local_dir(cfg.data.prepared, "--data.prepared")
         out_dir = RunDir(cfg.run_dir).data
         if distributed.world_size() == 1:
             meta = prepare(cfg.data, out_dir)

@@ -61,6 +61,8 @@ def load_tokenizer(path: str):
     """Load a tokenizer.json; raises DataError naming the file if it is missing or lacks [EOT]."""
     from tokenizers import Tokenizer
 
+    if os.path.isdir(path):
+        raise DataError(f"data.tokenizer: '{path}' is a folder; give the tokenizer.json file in it")
     if not os.path.isfile(path):
         raise DataError(f"data.tokenizer: file '{path}' not found; give a tokenizer.json or leave it empty to train one")
     try:

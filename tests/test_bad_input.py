@@ -48,6 +48,9 @@ def big_tokenizer(tmp_path_factory):
 
 
 PRE_GROUP = [
+    (["--checkpoint.dir", "/proc/forbidden/ckpt"], "--checkpoint.dir '/proc/forbidden/ckpt' cannot be written"),
+    (["--data.tokenizer", os.path.dirname(DEBUG)], f"data.tokenizer: '{os.path.dirname(DEBUG)}' is a folder; give the "
+                                                   f"tokenizer.json file in it"),
     (["--train.stpes", "3"], "unknown config key 'train.stpes'; did you mean 'train.steps'?"),
     (["--optim.lr", "fast"], "optim.lr: expected float, got 'fast'"),
     (["--model.n_heads", "3"], "model.dim (128) must be divisible by model.n_heads (3)"),

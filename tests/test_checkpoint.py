@@ -160,6 +160,8 @@ def test_checkpoint_of_another_model_names_keys_and_shapes(tmp_path, single_rank
         ckpt_lib.check_compatible(str(rd / "checkpoints" / "step_00000000"), shapes)
     with pytest.raises(ckpt_lib.CheckpointError, match="no .metadata"):
         ckpt_lib.read_metadata(str(tmp_path))
+    with pytest.raises(ckpt_lib.CheckpointError, match="it does not exist; give a checkpoint folder, e.g. RUN_DIR/"):
+        ckpt_lib.read_metadata(str(tmp_path / "nope"))
 
 
 @pytest.mark.slow
