@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 for label, d in zip(run_labels(a.run_dirs), a.run_dirs)]
         if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/", a.out):  # s3://b/p.png would become a local folder 's3:'
             raise PlotError(f"--out {a.out!r} is a URL; pass a local file ending in .png")
+        if os.path.isdir(a.out):  # matplotlib would write OUT.png beside it
+            raise PlotError(f"--out {a.out!r} is a folder; pass a file ending in .png, e.g. {os.path.join(a.out, 'curves.png')}")
         rollbacks = [read_rollbacks(RunDir(d).metrics) for d in a.run_dirs]
         try:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

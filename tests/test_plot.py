@@ -115,6 +115,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     ("s3://bucket/curves.png", "--out 's3://bucket/curves.png' is a URL; pass a local file ending in .png"),
     ("/proc/forbidden/curves.png", "cannot write /proc/forbidden/curves.png"),
     ("run/metrics.jsonl/curves.png", "cannot write run/metrics.jsonl/curves.png"),
+    ("run", "--out 'run' is a folder; pass a file ending in .png, e.g. run/curves.png"),
 ])
 def test_an_unusable_out_is_one_line_and_creates_nothing(tmp_path, capsys, monkeypatch, out, msg):
     pytest.importorskip("matplotlib")
