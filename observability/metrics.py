@@ -174,8 +174,8 @@ class MetricsLog:
         for line in lines:
             try:
                 record = json.loads(line)
-                if record.get("step", 0) <= step or record.get("rollback", {}).get("to_step", math.inf) <= \
-                        rollbacks_before:
+                if record.get("step", 0) <= step or "rollback" in record and record["rollback"].get(
+                        "to_step", math.inf) <= rollbacks_before:
                     kept.append(line.rstrip("\n") + "\n")
                 else:
                     dropped = dropped or "rollback" not in record

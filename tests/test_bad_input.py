@@ -12,7 +12,7 @@ import checkpoint as ckpt_lib
 import data
 import train_fsdp
 from data_pipeline import sources, tokenizer
-from launch import DEBUG, debug_run, losses, metrics, prepared_data_dir
+from launch import DEBUG, REFERENCE_ARGS, debug_run, losses, metrics, prepared_data_dir
 from parallel import distributed
 from storage.rundir import lock_run_dir
 
@@ -427,3 +427,33 @@ def test_a_checkpoint_that_cannot_continue_is_refused_before_any_data_is_prepare
                                "--optim.name", "muon", "--train.steps", "4")
     assert rc == 2 and "holds the state of optim.name 'adamw', but this run has 'muon'" in err, err
     assert not (rd / "data").exists() and not (rd / "data.tmp").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_before_the_loop_keeps_what_was_saved_and_the_same_command_resumes(tmp_path, reference, monkeypatch,
+                                                                                  capsys):
+    """A Ctrl-C while the run is being built: one line, nothing touched, and the same command resumes the run."""
+    from training import command
+
+    rd = tmp_path / "early"
+    prepared_data_dir(rd)
+    debug_run(2, rd, *REFERENCE_ARGS, "--train.steps", "4")
+
+    def files():
+        return sorted((p, os.path.getmtime(os.path.join(d, p)), os.path.getsize(os.path.join(d, p)))
+                      for d, _, names in os.walk(rd) for p in names if p != ".lock")
+
+    before = files()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "build", interrupted)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
+    assert train_fsdp.main(["--config", DEBUG, "--run_dir", str(rd), *REFERENCE_ARGS]) == 130
+    assert "run the same command to resume" in capsys.readouterr().err
+    assert files() == before
+    debug_run(2, rd, *REFERENCE_ARGS)  # the same command, as the line says
+    want, got = losses(reference), losses(rd)
+    assert sorted(got) == list(range(1, 11)) and max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-6

@@ -329,38 +329,6 @@ def test_another_optimizer_on_resume_is_named_not_called_damaged(tmp_path, singl
 
 
 @pytest.mark.slow
-def test_ctrl_c_before_the_loop_keeps_what_was_saved_and_the_same_command_resumes(tmp_path, reference, monkeypatch,
-                                                                                  capsys):
-    """A Ctrl-C while the run is being built: one line, nothing touched, and the same command resumes the run."""
-    import train_fsdp
-    from parallel import distributed
-    from training import command
-
-    rd = tmp_path / "early"
-    prepared_data_dir(rd)
-    debug_run(2, rd, *REFERENCE_ARGS, "--train.steps", "4")
-
-    def files():
-        return sorted((p, os.path.getmtime(os.path.join(d, p)), os.path.getsize(os.path.join(d, p)))
-                      for d, _, names in os.walk(rd) for p in names if p != ".lock")
-
-    before = files()
-
-    def interrupted(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(command, "build", interrupted)
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
-    assert train_fsdp.main(["--config", DEBUG, "--run_dir", str(rd), *REFERENCE_ARGS]) == 130
-    assert "run the same command to resume" in capsys.readouterr().err
-    assert files() == before
-    debug_run(2, rd, *REFERENCE_ARGS)  # the same command, as the line says
-    want, got = losses(reference), losses(rd)
-    assert sorted(got) == list(range(1, 11)) and max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-6
-
-
-@pytest.mark.slow
 def test_load_from_another_run_takes_its_tokenizer(tmp_path, reference):
     """A new run from another run's checkpoint trains on its data with the checkpoint's tokenizer, not a new one: the
     same losses as the run given that tokenizer by hand (before: a tokenizer of its own, and other token ids)."""

@@ -181,4 +181,7 @@ def test_a_rollback_record_survives_a_resume_from_its_target_and_is_never_writte
     log.note(rollback)  # the same rollback, made again
     log.note({**rollback, "step": 12, "rollback": {**rollback["rollback"], "skip": [9, 12]}})  # another one
     assert [r.get("rollback", {}).get("skip") for r in metrics(tmp_path) if "rollback" in r] == [[9, 10], [9, 12]]
+    log.rewind(5)  # a rollback to step 5: later train records go, every rollback record stays
+    assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == list(range(1, 6))
+    assert len([r for r in metrics(tmp_path) if "rollback" in r]) == 2
     log.close()

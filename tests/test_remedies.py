@@ -13,7 +13,7 @@ new one without a row here fails: write its test, then add the row.
 | training/loop.py | `pass --train.nonfinite skip` | test_bad_input.py::test_nonfinite_gradient_stops_without_touching_the_last_checkpoint |
 | training/loop.py | `saved step {} in {}; {} at step {} of {}; run the same command to resume` | test_checkpoint.py::test_ctrl_c_finishes_the_step_on_every_rank_saves_and_resumes_the_same_run |
 | training/command.py | `see the other ranks' output for the cause, then run the same command`: a hung or lost peer | test_restart.py::test_a_hung_rank_stops_its_peers_within_the_timeout_and_its_checkpoint_resumes |
-| training/command.py | `interrupted (Ctrl-C); what was saved before stays; run the same command`: before the loop | test_checkpoint.py::test_ctrl_c_before_the_loop_keeps_what_was_saved_and_the_same_command_resumes |
+| training/command.py | `interrupted (Ctrl-C); what was saved before stays; run the same command`: before the loop | test_bad_input.py::test_ctrl_c_before_the_loop_keeps_what_was_saved_and_the_same_command_resumes |
 | training/resume.py | `or pass --checkpoint.load_from {}`: checkpoint.dir moved away from the run's checkpoints | test_bad_input.py::test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused |
 | training/resume.py | `pass --train.steps above {} to continue this run` | test_bad_input.py::test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run |
 | training/loop.py | `pass --train.steps above {} to continue this run`: the same, for a load_from folder not named step_N | test_bad_input.py::test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run |
@@ -24,7 +24,7 @@ new one without a row here fails: write its test, then add the row.
 | data_pipeline/filesplit.py | `or pass --data.decode_errors replace` | test_bad_input.py::test_undecodable_bytes_can_be_replaced_on_request |
 | data_pipeline/sources.py | `or pass --data.decode_errors replace` | test_bad_input.py::test_undecodable_bytes_can_be_replaced_on_request |
 | data.py | `away and run again to prepare it anew`: a damaged data directory | test_remedies.py::test_a_damaged_data_directory_moved_away_is_prepared_anew |
-| prepare.py | `away and run again to tokenize it anew`: a source that changed after it was prepared | test_data.py::test_a_source_that_grew_after_preparation_is_named_and_moved_away_is_tokenized_anew |
+| data_pipeline/sources.py | `away and run again to tokenize it anew`: a source that changed after it was prepared | test_data.py::test_a_source_that_grew_after_preparation_is_named_and_moved_away_is_tokenized_anew |
 | parallel/distributed.py | `use --train.device cpu` | test_remedies.py::test_device_remedies_are_accepted_as_printed |
 | generate.py | `no CUDA device is visible; use --device cpu` | test_remedies.py::test_device_remedies_are_accepted_as_printed |
 | generate.py | `MPS is not available here; use --device cpu` | test_remedies.py::test_device_remedies_are_accepted_as_printed |
