@@ -177,7 +177,7 @@ def read_metadata(path: str):
     try:
         if not fs.isfile(meta_file):
             hint = ("it does not exist" if not fs.exists(path) else "no .metadata file (it is a run directory)" if
-                    fs.exists(fs.join(path, "checkpoints")) else "no .metadata file, so not a complete DCP checkpoint")
+                    (not fs.is_url(path) and os.path.isdir(RunDir(path).checkpoints)) else "no .metadata file, so not a complete DCP checkpoint")
             raise CheckpointError(f"checkpoint '{path}': {hint}; give a checkpoint folder, e.g. "
                                   f"RUN_DIR/checkpoints/step_00000200")
         if fs.is_url(path) and not fs.isfile(fs.join(path, COMMIT_MARKER)):
