@@ -287,18 +287,25 @@ def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:
 
 
 def check_moe(cfg: Config) -> None:
-    """Raise SetupError for a mixture of experts (model.n_experts > 0) with what it does not compose with yet:
-    parallel.tp > 1, parallel.cp > 1, train.float8 (docs/moe.md)."""
+    """Raise SetupError for what a mixture of experts does not compose with: parallel.ep without experts, or
+    not dividing model.n_experts, or with parallel.tp or parallel.cp > 1; train.float8 (docs/moe.md)."""
     m, p = cfg.model, cfg.parallel
+    if p.ep > 1 and not m.n_experts:
+        raise SetupError(f"parallel.ep {p.ep} splits the experts of a mixture of experts, and model.n_experts is 0 "
+                         f"(dense); set --model.n_experts (a multiple of {p.ep}) or use parallel.ep 1")
     if not m.n_experts:
         return
-    unsupported = [f"parallel.tp {p.tp}" if p.tp > 1 else "", f"parallel.cp {p.cp}" if p.cp > 1 else "",
-                   f"train.float8 {cfg.train.float8}" if cfg.train.float8 != "off" else ""]
-    unsupported = [u for u in unsupported if u]
-    if unsupported:
-        raise SetupError(f"model.n_experts {m.n_experts} (mixture of experts) does not run with "
-                         f"{', '.join(unsupported)} yet (docs/moe.md); run it without them on FSDP or HSDP "
-                         f"(train_fsdp.py), or train a dense model")
+    if m.n_experts % p.ep:
+        fits = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0]
+        raise SetupError(f"parallel.ep ({p.ep}) does not divide model.n_experts ({m.n_experts}): each EP rank holds "
+                         f"whole experts, as many as the others; use parallel.ep in {fits}")
+    if p.ep > 1 and (p.tp > 1 or p.cp > 1):
+        other = f"parallel.tp {p.tp}" if p.tp > 1 else f"parallel.cp {p.cp}"
+        raise SetupError(f"parallel.ep {p.ep} does not run with {other} yet (docs/moe.md); use parallel.ep 1 with "
+                         f"{other}, or parallel.ep with FSDP or HSDP")
+    if cfg.train.float8 != "off":
+        raise SetupError(f"model.n_experts {m.n_experts} (mixture of experts) does not run with train.float8 "
+                         f"{cfg.train.float8} yet (docs/moe.md); use train.float8 off or train a dense model")
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -318,9 +325,9 @@ def validate(cfg: Config, world_size: int) -> None:
     rank 0 prints its notice that float8 is only emulated); check_moe's refusals.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
+    check_moe(cfg)
     check_layout(cfg.parallel, world_size, local_world_size())
     m = cfg.model
-    check_moe(cfg)
     check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
     dp = world_size // (tp * cfg.parallel.cp)
     for i, (start, g) in enumerate(t.batch_schedule()):

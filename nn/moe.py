@@ -68,10 +68,20 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """x (tokens, dim) sorted by expert, counts (n_experts,) tokens per expert -> (tokens, dim)."""
-        mm = grouped_mm_for(x)
-        w1, w2, w3 = (w.to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        return mm(F.silu(mm(x, w1, counts)) * mm(x, w3, counts), w2, counts)
+        """x (tokens, dim) sorted by expert, counts (n_experts,) tokens per expert -> (tokens, dim).
+
+        Expert parallelism (parallel/expert_parallel.py) replaces this method on each instance by
+        one that sends the tokens to the ranks holding their experts and calls swiglu_experts there.
+        """
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3)
+
+
+def swiglu_experts(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+    """Each group of rows of x through its expert's SwiGLU: x (tokens, dim) sorted by expert, counts (E,) int64
+    summing to tokens, w1/w3 (E, F, dim), w2 (E, dim, F) plain tensors -> (tokens, dim) in x's dtype."""
+    mm = grouped_mm_for(x)
+    w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
+    return mm(F.silu(mm(x, w1, counts)) * mm(x, w3, counts), w2, counts)
 
 
 class SharedExperts(nn.Module):
@@ -111,6 +121,9 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
         self.counts: Tensor | None = None
         self.aux_loss: Tensor | None = None
+        # Context parallelism gives each rank a slice of every sequence; the balance loss needs the whole
+        # sequence's choices, so parallel/ sets this to a sum over the CP group (no autograd). None: identity.
+        self.sequence_sum = None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(expert ids (tokens, k) int64, weights (tokens, k), scores (tokens, E), router logits (tokens, E)) of x
@@ -148,10 +161,13 @@ class MoE(nn.Module):
         if self.aux_coef:
             e, k = self.n_experts, self.top_k
             chosen = torch.zeros(bsz * seq, e, dtype=scores.dtype, device=ids.device).scatter_(1, ids, 1.0).view(bsz, seq, e)
-            f = chosen.sum(1) * (e / (k * seq))  # (batch, E): no gradient, as in Switch
+            chosen = chosen.sum(1)  # (batch, E): no gradient, as in Switch
+            if self.sequence_sum is not None:
+                chosen = self.sequence_sum(chosen)  # the whole sequences' choices
+            f = chosen * (e / chosen.sum(-1, keepdim=True))  # E / (k T) x choices: each of T tokens chose k
             p = scores / scores.sum(-1, keepdim=True) if self.score == "sigmoid" else scores
-            p = p.view(bsz, seq, e).mean(1)  # (batch, E)
-            total = self.aux_coef * seq * (f * p).sum()
+            # T x (f . mean P) = f . (sum of P over this rank's tokens): a slice's share adds up over CP ranks.
+            total = self.aux_coef * (f * p.view(bsz, seq, e).sum(1)).sum()
         if self.z_coef:
             z = self.z_coef * torch.logsumexp(logits, dim=-1).square().sum()
             total = z if total is None else total + z

@@ -20,14 +20,16 @@ import torch.distributed as dist
 from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput, parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from core.errors import ConfigError, SetupError
 from model import ModelArgs, Transformer
 from parallel import float8
+from nn.moe import MoE
 from parallel.context_parallel import apply_ulysses
+from parallel.expert_parallel import apply_expert_parallel, shard_experts
 
 TPPlan = dict[str, ParallelStyle]
 """A tensor-parallel plan: module name pattern (e.g. 'layers.*.attention.wq') -> its style."""
@@ -48,7 +50,12 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: each sequence is split into cp contiguous slices, one per rank of a CP group, with Ulysses attention (all-to-all of heads); FSDP shards over the data-parallel and CP ranks together. n_heads, n_kv_heads and seq_len must divide by cp (x tp). Both scripts."""
 
+    ep: int = 1
+    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (dp_replicate x cp x tp)); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts; tp 1 and cp 1 (docs/moe.md)."""
+
     def __post_init__(self) -> None:
+        if self.ep < 1:
+            raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
         if self.tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
         if self.dp_replicate < 1:
@@ -79,6 +86,12 @@ def check_layout(cfg: ParallelConfig, world_size: int, local_world_size: int) ->
         div = f"parallel.tp {tp}" if cp == 1 else f"(parallel.cp {cp} x parallel.tp {tp})"
         raise SetupError(f"parallel.dp_replicate ({rep}) does not divide the {dp} data-parallel rank(s) (world size "
                          f"{world_size} / {div}); {fix} or launch a multiple of {rep * tp * cp} processes")
+    shard = dp // rep
+    if shard % cfg.ep:
+        fits = [d for d in range(1, shard + 1) if shard % d == 0]
+        raise SetupError(f"parallel.ep ({cfg.ep}) does not divide the {shard} data-parallel shard rank(s) (world size "
+                         f"{world_size} / (dp_replicate {rep} x cp {cp} x tp {tp})) that expert parallelism splits; "
+                         f"use parallel.ep in {fits} or launch a multiple of {cfg.ep * rep * cp * tp} processes")
     if local_world_size % tp:
         raise SetupError(f"parallel.tp ({tp}) does not divide the {local_world_size} process(es) of this node "
                          f"(LOCAL_WORLD_SIZE), so a TP group would span nodes; use a parallel.tp that divides "
@@ -97,7 +110,8 @@ def shard_group_note(cfg: ParallelConfig, world_size: int, local_world_size: int
             f"number of nodes) keeps them inside a node (HSDP)")
 
 
-def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate: int = 1, cp: int = 1) -> DeviceMesh:
+def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate: int = 1, cp: int = 1,
+               ep: int = 1) -> DeviceMesh:
     """The device mesh (collective), with a "dp" dimension over every data-parallel rank.
 
     ("dp",) of world_size, or ("dp", "tp") of (world_size / tp, tp) when tp > 1. With
@@ -108,19 +122,27 @@ def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate:
     fsdp_mesh and loss_mesh join it to the data-parallel ranks. Consecutive ranks form a TP
     group, then a CP group, then a shard group, so with torchrun's rank order (node by node)
     they stay inside a node when their sizes divide the node's ranks. The caller has checked
-    that tp x cp x dp_replicate divides world_size.
+    that tp x cp x dp_replicate divides world_size. With ep > 1 the shard ranks ("dp", or
+    "dp_shard" under HSDP) are two dimensions, ("dp_mod_ep", "ep"): consecutive ranks form an
+    EP group, and the ranks that hold the same experts are "dp_mod_ep" (expert_mesh); the
+    caller has checked that ep divides the shard ranks.
     """
     dp = world_size // (tp * cp)
-    if dp_replicate > 1:
-        names, shape = ("dp_replicate", "dp_shard"), (dp_replicate, dp // dp_replicate)
+    shard = dp // dp_replicate
+    if ep > 1:
+        names, shape = ("dp_mod_ep", "ep"), (shard // ep, ep)
     else:
-        names, shape = ("dp",), (dp,)
+        names, shape = ("dp_shard" if dp_replicate > 1 else "dp",), (shard,)
+    if dp_replicate > 1:
+        names, shape = ("dp_replicate",) + names, (dp_replicate,) + shape
     if cp > 1:
         names, shape = names + ("cp",), shape + (cp,)
     if tp > 1:
         names, shape = names + ("tp",), shape + (tp,)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     # The flattened groups are created now, while every rank is here.
+    if ep > 1:
+        mesh["dp_mod_ep", "ep"]._flatten("dp_shard" if dp_replicate > 1 else "dp")
     dp_mesh(mesh)
     fsdp_mesh(mesh)
     loss_mesh(mesh)
@@ -133,9 +155,24 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     The loader's rank and size, validation's and the logged loss's reductions use it. The
     flattened mesh is created once (by build_mesh, collectively) and cached by DeviceMesh.
     """
-    if "dp_replicate" in (mesh.mesh_dim_names or ()):
-        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh["dp"]
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names:
+        return mesh["dp_replicate", *_shard_dims(names)]._flatten("dp")
+    return mesh["dp"]  # with "ep": ("dp_mod_ep", "ep") flattened by build_mesh
+
+
+def _shard_dims(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh dimensions of the data-parallel shard ranks: ("dp_mod_ep", "ep") under EP, else "dp_shard" or "dp"."""
+    if "ep" in names:
+        return ("dp_mod_ep", "ep")
+    return ("dp_shard",) if "dp_replicate" in names else ("dp",)
+
+
+def expert_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh fully_shard takes for the routed experts under EP: the ranks that hold the same experts,
+    "dp_mod_ep", with "dp_replicate" before it under HSDP."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["dp_replicate", "dp_mod_ep"] if "dp_replicate" in names else mesh["dp_mod_ep"]
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -148,7 +185,7 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     names = mesh.mesh_dim_names or ()
     shard = "dp_shard" if "dp_replicate" in names else "dp"
     if "cp" in names:
-        flat = mesh[shard, "cp"]._flatten("dp_shard_cp")
+        flat = mesh[*_shard_dims(names), "cp"]._flatten("dp_shard_cp")
         if "dp_replicate" not in names:
             return flat
         shard = "dp_shard_cp"  # HSDP x CP: the 2-D (dp_replicate, dp_shard_cp) mesh, as torchtitan slices it
@@ -168,7 +205,7 @@ def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return dp_mesh(mesh)
     if "dp_replicate" not in names:
         return fsdp_mesh(mesh)  # ("dp", "cp") flattened already
-    return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+    return mesh["dp_replicate", *_shard_dims(names), "cp"]._flatten("dp_cp")
 
 
 def selective_policy(ctx, op, *args, **kwargs):
@@ -194,9 +231,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
     with the "cp" ranks joined to the shard dimension (see fsdp_mesh); a "cp" dimension swaps
     each attention kernel for Ulysses'.
     """
-    if "tp" in (mesh.mesh_dim_names or ()):
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
         # src_data_rank=None: nothing is copied; init_weights fills the shards afterwards.
-        parallelize_module(model, mesh["tp"], tp_plan, src_data_rank=None)
+        parallelize_module(model, mesh["tp"], with_moe(tp_plan, model), src_data_rank=None)
     if float8_recipe != "off":
         # Float8 swaps the blocks' Linear modules, so it comes before everything that wraps or
         # traces them: activation checkpointing must recompute the float8 casts (and the
@@ -208,8 +246,10 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
         kept = float8.convert(model, float8_recipe)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(float8.describe(float8_recipe, kept), flush=True)
-    if "cp" in (mesh.mesh_dim_names or ()):
+    if "cp" in names:
         apply_ulysses(model, mesh["cp"])
+    if "ep" in names:
+        apply_expert_parallel(model, mesh["ep"])
     for block in model.layers:
         if activation_checkpointing == "full":
             activation_checkpoint(block)
@@ -222,6 +262,8 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
     if dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if "ep" in names:  # before the blocks, which then leave the experts to their own group
+        shard_experts(model, **{**kwargs, "mesh": expert_mesh(mesh)})
     blocks = list(model.layers)
     for block in blocks:
         fully_shard(block, **kwargs)
@@ -230,6 +272,31 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch):i][::-1])
+
+
+def with_moe(plan: TPPlan, model: Transformer) -> TPPlan:
+    """plan with its "layers.*.feed_forward..." entries kept for the dense blocks only, and each MoE block's
+    feed-forward computed whole on every TP rank of its group.
+
+    The MoE's input, sharded on the sequence between blocks, is all-gathered over TP, the router
+    and experts run unsplit as plain tensors (FSDP2 shards them over the data-parallel ranks
+    only; each TP rank computes the same gradient), and the output is sliced back to this
+    rank's part of the sequence. Exact, at the cost of repeating the MoE's compute tp times
+    (docs/moe.md).
+    """
+    moe = {i for i, block in enumerate(model.layers) if isinstance(block.feed_forward, MoE)}
+    if not moe:
+        return plan
+    out = {k: v for k, v in plan.items() if not k.startswith("layers.*.feed_forward")}
+    for i in range(len(model.layers)):
+        if i in moe:
+            out[f"layers.{i}.feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        else:
+            out.update({k.replace("layers.*.", f"layers.{i}.", 1): v for k, v in plan.items()
+                        if k.startswith("layers.*.feed_forward")})
+    return out
 
 
 def copy_sharded(param: torch.Tensor, full: torch.Tensor) -> None:

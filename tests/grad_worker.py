@@ -46,12 +46,13 @@ from training.step import train_step  # noqa: E402
 
 
 def replica_spread(model, tp_mesh) -> dict[str, float]:
-    """Largest |difference| between TP ranks' local copies of each parameter replicated over "tp"."""
+    """Largest |difference| between TP ranks' local copies of each parameter replicated over "tp" (Replicate on
+    "tp", or not on "tp" at all: an MoE's router and experts, computed whole on every TP rank)."""
     out = {}
     group = tp_mesh.get_group()
     for name, p in model.named_parameters():
-        tp_dim = p.device_mesh.mesh_dim_names.index("tp")
-        if not p.placements[tp_dim].is_replicate():
+        names = p.device_mesh.mesh_dim_names
+        if "tp" in names and not p.placements[names.index("tp")].is_replicate():
             continue
         local = p.to_local().detach().contiguous()
         copies = [torch.empty_like(local) for _ in range(tp_mesh.size())]

@@ -224,8 +224,18 @@ def test_muon_orthogonalises_each_expert_on_its_own():
     ([*MOE, "--model.expert_ffn_dim", "-1"], "model.expert_ffn_dim must be >= 0 (0: model.ffn_dim), got -1"),
     ([*MOE, "--model.moe_score", "relu"], "model.moe_score must be one of softmax, sigmoid, got 'relu'"),
     ([*MOE, "--model.moe_first_dense", "4"], "model.moe_first_dense must be in 0..model.n_layers-1 (3), got 4"),
-    ([*MOE, "--parallel.cp", "2"], "model.n_experts 4 (mixture of experts) does not run with parallel.cp 2 yet"),
     ([*MOE, "--train.float8", "tensorwise"], "does not run with train.float8 tensorwise yet"),
+    (["--parallel.ep", "2"], "parallel.ep 2 splits the experts of a mixture of experts, and model.n_experts is 0 "
+                             "(dense); set --model.n_experts (a multiple of 2) or use parallel.ep 1"),
+    (["--model.n_experts", "3", "--model.experts_per_token", "1", "--parallel.ep", "2"],
+     "parallel.ep (2) does not divide model.n_experts (3): each EP rank holds whole experts, as many as the others; "
+     "use parallel.ep in [1, 3]"),
+    ([*MOE, "--parallel.ep", "4"], "parallel.ep (4) does not divide the 2 data-parallel shard rank(s) (world size 2 "
+                                   "/ (dp_replicate 1 x cp 1 x tp 1)) that expert parallelism splits; use parallel.ep "
+                                   "in [1, 2] or launch a multiple of 4 processes"),
+    ([*MOE, "--parallel.ep", "2", "--parallel.cp", "2"], "parallel.ep 2 does not run with parallel.cp 2 yet "
+                                                         "(docs/moe.md); use parallel.ep 1 with parallel.cp 2"),
+    ([*MOE, "--parallel.ep", "0"], "parallel.ep must be >= 1, got 0"),
     ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf loads a dense Hugging Face Llama, and model.n_experts "
                                                 "is 4: mixture-of-experts import is not supported yet; drop "
                                                 "--init_from_hf"),
@@ -253,13 +263,14 @@ def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):
     check_run(parse_config(["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MOE]), 1)
 
 
-def test_moe_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+def test_expert_parallelism_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
         line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
-                                       *MOE], capsys)
-    assert "model.n_experts 4 (mixture of experts) does not run with parallel.tp 2 yet" in line, line
+                                       "--parallel.ep", "2", *MOE], capsys)
+    assert "parallel.ep 2 does not run with parallel.tp 2 yet (docs/moe.md); use parallel.ep 1 with parallel.tp 2, " \
+        "or parallel.ep with FSDP or HSDP" in line, line
 
 
 @pytest.fixture(scope="module")
@@ -324,18 +335,37 @@ MOE_LOSSES = [*MOE, "--model.expert_ffn_dim", "96", "--model.n_shared_experts", 
               "--model.moe_router_z_loss", "0.001", "--model.moe_bias_update_rate", "0.01"]
 
 
-MOE_LAYOUTS = [([], []), ([], ["--train.activation_checkpointing", "full"]), (MUON, MUON)]
-"""(1-rank flags, FSDP-2 flags) beside MOE_LOSSES: plain, recomputed activations on 2 ranks, Muon on both."""
+EP2 = ["--parallel.ep", "2"]
+MOE_LAYOUTS = {
+    "fsdp2": (2, 1, [], []),
+    "fsdp2-ac": (2, 1, [], ["--train.activation_checkpointing", "full"]),
+    "muon": (2, 1, MUON, MUON),
+    "ep2": (2, 1, [], EP2),
+    "dp1tp2": (2, 2, [], []),
+    "cp2": (2, 1, [], ["--parallel.cp", "2"]),
+    "fsdp4-ep2-muon": (4, 1, MUON, [*MUON, *EP2]),
+}
+"""id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2 plain, with recomputed activations,
+with Muon; expert parallelism over 2 ranks; tensor parallelism (train_2d.py's plan); context parallelism; and
+experts both split over EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon."""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("one_flags, two_flags", MOE_LAYOUTS, ids=["fsdp2", "fsdp2-ac", "muon"])
-def test_moe_losses_equal_at_1_rank_and_fsdp_2(worker, one_flags, two_flags):
-    worker.prefetch([(1, 1, *MOE_LOSSES, *a) for a, _ in MOE_LAYOUTS] + [(2, 1, *MOE_LOSSES, *b) for _, b in MOE_LAYOUTS])
-    one, two = worker(1, 1, *MOE_LOSSES, *one_flags), worker(2, 1, *MOE_LOSSES, *two_flags)
-    assert one["losses"] == pytest.approx(two["losses"], rel=1e-5, abs=0)
-    for a, b in zip(one["moe"], two["moe"]):
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_losses_and_gradients_equal_one_process_at_every_layout(worker, layout):
+    worker.prefetch([(1, 1, *MOE_LOSSES, *one) for _, _, one, _ in MOE_LAYOUTS.values()]
+                    + [(n, tp, *MOE_LOSSES, *flags) for n, tp, _, flags in MOE_LAYOUTS.values()])
+    n, tp, one_flags, flags = MOE_LAYOUTS[layout]
+    one, other = worker(1, 1, *MOE_LOSSES, *one_flags), worker(n, tp, *MOE_LOSSES, *flags)
+    assert one["losses"] == pytest.approx(other["losses"], rel=1e-5, abs=0)
+    assert one["grad_norms"] == pytest.approx(other["grad_norms"], rel=1e-5, abs=0)
+    for g1, g2 in zip(one["grads"], other["grads"]):
+        assert g1.keys() == g2.keys()
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+    for a, b in zip(one["moe"], other["moe"]):
         assert a.keys() == b.keys() == {"moe_max_load", "moe_bias_range", "moe_aux_loss"}
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-9), k
     assert one["moe"][-1]["moe_bias_range"] > 0  # the bias moved, from the global counts
+    assert all(spread == 0 for spread in other["replicated"].values()), other["replicated"]

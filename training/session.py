@@ -55,7 +55,8 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     tp_plan: train_2d.py's plan, used when cfg.parallel.tp > 1. Raises SetupError (on every
     rank) for bad data or a checkpoint that does not fit the model.
     """
-    mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate, cfg.parallel.cp)
+    mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate, cfg.parallel.cp,
+                      cfg.parallel.ep)
     data_parallel = dp_mesh(mesh)
     dp = data_parallel.size()
     torch.manual_seed(cfg.train.seed)
