@@ -159,7 +159,7 @@ class MoE(nn.Module):
         """aux_coef * sequence-wise balance loss summed over tokens + z_coef * router z-loss summed over tokens."""
         total = None
         if self.aux_coef:
-            e, k = self.n_experts, self.top_k
+            e = self.n_experts
             chosen = torch.zeros(bsz * seq, e, dtype=scores.dtype, device=ids.device).scatter_(1, ids, 1.0).view(bsz, seq, e)
             chosen = chosen.sum(1)  # (batch, E): no gradient, as in Switch
             if self.sequence_sum is not None:

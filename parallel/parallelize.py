@@ -26,8 +26,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from core.errors import ConfigError, SetupError
 from model import ModelArgs, Transformer
-from parallel import float8
 from nn.moe import MoE
+from parallel import float8
 from parallel.context_parallel import apply_ulysses
 from parallel.expert_parallel import apply_expert_parallel, shard_experts
 
@@ -157,7 +157,7 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """
     names = mesh.mesh_dim_names or ()
     if "dp_replicate" in names:
-        return mesh["dp_replicate", *_shard_dims(names)]._flatten("dp")
+        return mesh[("dp_replicate",) + _shard_dims(names)]._flatten("dp")
     return mesh["dp"]  # with "ep": ("dp_mod_ep", "ep") flattened by build_mesh
 
 
@@ -185,7 +185,7 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     names = mesh.mesh_dim_names or ()
     shard = "dp_shard" if "dp_replicate" in names else "dp"
     if "cp" in names:
-        flat = mesh[*_shard_dims(names), "cp"]._flatten("dp_shard_cp")
+        flat = mesh[_shard_dims(names) + ("cp",)]._flatten("dp_shard_cp")
         if "dp_replicate" not in names:
             return flat
         shard = "dp_shard_cp"  # HSDP x CP: the 2-D (dp_replicate, dp_shard_cp) mesh, as torchtitan slices it
@@ -205,7 +205,7 @@ def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return dp_mesh(mesh)
     if "dp_replicate" not in names:
         return fsdp_mesh(mesh)  # ("dp", "cp") flattened already
-    return mesh["dp_replicate", *_shard_dims(names), "cp"]._flatten("dp_cp")
+    return mesh[("dp_replicate",) + _shard_dims(names) + ("cp",)]._flatten("dp_cp")
 
 
 def selective_policy(ctx, op, *args, **kwargs):

@@ -13,7 +13,19 @@ import torch.nn.functional as F
 import hf
 import train_2d
 import train_fsdp
-from launch import DEBUG, debug_run, metrics, prepared_data_dir, refused, torchrun
+from launch import (
+    DEBUG,
+    debug_run,
+    kill_tree,
+    losses,
+    metrics,
+    prepared_data_dir,
+    refused,
+    spawn,
+    torchrun,
+    torchrun_command,
+    wait_for_step,
+)
 from model import ModelArgs, Transformer, flops_per_token, num_params
 from nn.moe import MoE
 from optimization.muon import MuonAdamW
@@ -344,10 +356,11 @@ MOE_LAYOUTS = {
     "dp1tp2": (2, 2, [], []),
     "cp2": (2, 1, [], ["--parallel.cp", "2"]),
     "fsdp4-ep2-muon": (4, 1, MUON, [*MUON, *EP2]),
+    "hsdp2-ep2": (4, 1, [], [*EP2, "--parallel.dp_replicate", "2"]),
 }
 """id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2 plain, with recomputed activations,
 with Muon; expert parallelism over 2 ranks; tensor parallelism (train_2d.py's plan); context parallelism; and
-experts both split over EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon."""
+experts both split over EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP with EP inside a replica."""
 
 
 @pytest.mark.slow
@@ -369,3 +382,21 @@ def test_moe_losses_and_gradients_equal_one_process_at_every_layout(worker, layo
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-9), k
     assert one["moe"][-1]["moe_bias_range"] > 0  # the bias moved, from the global counts
     assert all(spread == 0 for spread in other["replicated"].values()), other["replicated"]
+
+
+@pytest.mark.slow
+def test_sigkill_at_ep_2_then_resume_on_1_rank_gives_the_uninterrupted_losses(tmp_path):
+    args = ["--config", DEBUG, "--train.steps", "6", "--checkpoint.interval", "2", "--train.val_interval", "0",
+            *MOE_LOSSES]
+    ref, rd = tmp_path / "ref", tmp_path / "killed"
+    for d in (ref, rd):
+        prepared_data_dir(d)
+    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(ref))
+    p = spawn(torchrun_command(2, "train_fsdp.py", *args, "--run_dir", str(rd), *EP2), tmp_path / "killed.log")
+    wait_for_step(rd, 3, p)
+    kill_tree(p.pid)
+    assert p.wait(timeout=120) != 0, "the run finished before it was killed"
+    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(rd))  # the experts of 2 ranks, whole on 1
+    want, got = losses(ref), losses(rd)
+    assert sorted(got) == list(range(1, 7))
+    assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-5
