@@ -230,7 +230,9 @@ def _profile_starts(x: np.ndarray, y: np.ndarray, loss: np.ndarray) -> np.ndarra
     for subset in ([0], [1], [2], [0, 1], [0, 2], [1, 2], [0, 1, 2]):
         m = cols[:, subset]
         with np.errstate(all="ignore"):
-            c = np.linalg.solve(m @ m.transpose(0, 2, 1), m.sum(2)[..., None])[..., 0]
+            gram = m @ m.transpose(0, 2, 1)  # a whisker of ridge: two columns can coincide (alpha x = beta y)
+            gram += 1e-12 * np.trace(gram, axis1=1, axis2=2)[:, None, None] * np.eye(len(subset))
+            c = np.linalg.solve(gram, m.sum(2)[..., None])[..., 0]
             err = ((np.einsum("gk,gkp->gp", c, m) - 1) ** 2).sum(1)
         better = np.all(c >= 0, 1) & np.isfinite(err) & (err < err_best)
         best[better] = 0.0
@@ -253,6 +255,12 @@ def _check_chinchilla(n: np.ndarray, d: np.ndarray) -> None:
         raise ValueError(f"the L(N, D) fit needs points at 3 or more token counts, got {budgets}")
     if ratios < 2:
         raise ValueError("the L(N, D) fit needs more than one tokens-per-parameter budget (d/n), got one")
+    logn, logd = np.log(n), np.log(d)
+    k, c = np.polyfit(logn, logd, 1)
+    if np.abs(logd - k * logn - c).max() < math.log(SAME_RATIO) / 2:
+        raise ValueError(f"the token counts follow the sizes on one curve (d = {math.exp(c):.3g} n^{k:.3g}), so the "
+                         "L(N, D) fit cannot tell the size term from the data term: train some size at 2 or more "
+                         "budgets")
 
 
 def _fit_chinchilla(n, d, loss, starts: np.ndarray | None) -> tuple[ChinchillaLaw, np.ndarray]:
@@ -300,7 +308,8 @@ def fit_chinchilla(n, d, loss) -> ChinchillaLaw:
     all fits whose E ran to 0 with alpha or beta near 0, at 7x the time.) log N and log D are centred inside
     the optimiser: the same minimum, far better conditioned.
     Raises ValueError unless there are at least 5 distinct points, at 3 or more sizes and 3 or more token counts,
-    and more than one tokens-per-parameter ratio (see `ratio_count`): fewer cannot tell the five parameters apart.
+    more than one tokens-per-parameter ratio (see `ratio_count`), and token counts that do not all lie on one
+    curve d = c n^k (within 5%): fewer cannot tell the five parameters apart.
     """
     return _fit_chinchilla(n, d, loss, None)[0]
 

@@ -40,15 +40,25 @@ def test_fit_chinchilla_with_noise_predicts_4x_the_compute():
     assert np.abs(errors).max() < 0.03 and np.abs(errors).mean() < 0.015, errors
 
 
+def test_fit_chinchilla_shrugs_off_an_outlier():
+    """Huber's delta of 1e-3 on log L makes one point 10% off cost little: at 4x the compute the prediction
+    moved 0.22% at most (measured at 4 points); a least-squares fit (delta 0.1) moved 2 to 8%."""
+    truth = TRUE.predict(FAR_N, FAR_D)
+    for i in (0, 15):  # the smallest model's shortest budget, the largest's longest
+        loss = TRUE.predict(N, D)
+        loss[i] *= 1.1
+        assert fit_chinchilla(N, D, loss).predict(FAR_N, FAR_D) == pytest.approx(truth, rel=0.005)
+
+
 def test_the_bootstrap_interval_is_deterministic_for_a_seed():
-    """20 resamples (the ladder uses 200; the slow test below holds coverage against the truth): the interval
+    """15 resamples (the ladder uses 200; the slow test below holds coverage against the truth): the interval
     holds the fit's own prediction, is neither empty nor wider than the noise allows (0.1% .. 10% at 0.3% noise,
     measured 4% on average), and the same seed gives the same interval, another seed another one."""
     loss = noisy(0)
-    lo, hi = bootstrap_interval(N, D, loss, FAR_N, FAR_D, samples=20, seed=1)
+    lo, hi = bootstrap_interval(N, D, loss, FAR_N, FAR_D, samples=15, seed=1)
     assert lo < fit_chinchilla(N, D, loss).predict(FAR_N, FAR_D) < hi and 0.001 < (hi - lo) / lo < 0.1
-    assert bootstrap_interval(N, D, loss, FAR_N, FAR_D, samples=20, seed=1) == (lo, hi)
-    assert bootstrap_interval(N, D, loss, FAR_N, FAR_D, samples=20, seed=2) != (lo, hi)
+    assert bootstrap_interval(N, D, loss, FAR_N, FAR_D, samples=15, seed=1) == (lo, hi)
+    assert bootstrap_interval(N, D, loss, FAR_N, FAR_D, samples=15, seed=2) != (lo, hi)
 
 
 @pytest.mark.slow
@@ -125,6 +135,7 @@ def test_fit_for_picks_the_form_the_points_carry():
     (N[:8], D[:8], "3 or more model sizes, got 2"),
     (SIZES.repeat(2), 20 * SIZES.repeat(2) * np.tile([1, 1.05], 4), "more than one tokens-per-parameter budget"),
     (np.repeat(SIZES, 2), np.tile([1e6, 1e7], 4), "3 or more token counts, got 2"),
+    (np.geomspace(1e5, 1e6, 6), 20 * np.geomspace(1e5, 1e6, 6) ** 1.5, "follow the sizes on one curve"),
 ])
 def test_too_few_points_is_one_sentence(n, d, message):
     fitter = fit_power if d is None else fit_chinchilla
