@@ -120,6 +120,12 @@ def _power_grid(n: np.ndarray, loss: np.ndarray, alphas: np.ndarray) -> tuple[np
             np.stack([c[1] for c in cands])[pick, rows])
 
 
+def _check_power(n: np.ndarray) -> None:
+    """ValueError unless the points can tell L(N)'s three parameters apart."""
+    if np.unique(n).size < 3:
+        raise ValueError(f"the L(N) fit needs points at 3 or more model sizes, got {np.unique(n).size}")
+
+
 def fit_power(n, loss) -> PowerLaw:
     """L(N) = E + A/N^alpha by least squares on the loss, E >= 0, A >= 0, alpha in [1e-4, 2].
 
@@ -129,8 +135,7 @@ def fit_power(n, loss) -> PowerLaw:
     Raises ValueError unless the points hold at least 3 distinct sizes (3 parameters).
     """
     n, _, loss = _points(n, None, loss)
-    if np.unique(n).size < 3:
-        raise ValueError(f"the L(N) fit needs points at 3 or more model sizes, got {np.unique(n).size}")
+    _check_power(n)
     grid = np.linspace(0.01, 2.0, 2000)
     for _ in range(3):  # the grid, then twice a finer one around its best alpha
         err, e, a = _power_grid(n, loss, grid)
@@ -316,10 +321,20 @@ def fit_chinchilla(n, d, loss) -> ChinchillaLaw:
 
 def fit_for(n, d, loss) -> Law:
     """The law the points can carry: ChinchillaLaw (fit_chinchilla) when they hold more than one tokens-per-
-    parameter ratio d/n (ratio_count), else PowerLaw (fit_power, d unused). Which one is in the result's `form`.
+    parameter ratio d/n (ratio_count), else PowerLaw (fit_power, d unused; d may be None). Which one is in the result's `form`.
     Units as in fit_chinchilla; raises the chosen fit's ValueError."""
     n, d, loss = _points(n, d, loss)
-    return fit_chinchilla(n, d, loss) if ratio_count(n, d) > 1 else fit_power(n, loss)
+    return fit_chinchilla(n, d, loss) if d is not None and ratio_count(n, d) > 1 else fit_power(n, loss)
+
+
+def check_points(n, d=None) -> None:
+    """Raises the ValueError that fit_for would raise for points at these sizes n (parameters) and token counts
+    d (or None: one budget), before any loss exists: a ladder checks its plan with it before training a rung."""
+    n, d, _ = _points(n, d, np.ones(np.size(n)))
+    if d is not None and ratio_count(n, d) > 1:
+        _check_chinchilla(n, d)
+    else:
+        _check_power(n)
 
 
 def _fit(fitter: Callable, n, d, loss) -> Law:
@@ -329,7 +344,8 @@ def _fit(fitter: Callable, n, d, loss) -> Law:
 
 def bootstrap_interval(n, d, loss, at_n, at_d, fitter: Callable = fit_for, samples: int = 200, level: float = 0.9,
                        seed: int = 0) -> tuple[float, float]:
-    """The `level` interval of the prediction at (at_n parameters, at_d tokens) by a bootstrap over the points.
+    """The `level` interval of the prediction at (at_n parameters, at_d tokens: scalars) by a bootstrap over the
+    points (n, d, loss as in the fitter; d may be None for the L(N) form).
 
     Each of `samples` resamples draws len(points) points with replacement and refits; the interval is the
     (1-level)/2 and (1+level)/2 quantiles (numpy's linear rule) of the refits' predictions (nats/token).
@@ -344,7 +360,7 @@ def bootstrap_interval(n, d, loss, at_n, at_d, fitter: Callable = fit_for, sampl
     if not 0 < level < 1 or samples < 1:
         raise ValueError(f"bootstrap_interval needs 0 < level < 1 and samples >= 1, got {level}, {samples}")
     if fitter is fit_for or fitter is fit_chinchilla:
-        if fitter is fit_chinchilla or ratio_count(n, d) > 1:
+        if fitter is fit_chinchilla or (d is not None and ratio_count(n, d) > 1):
             _, starts = _fit_chinchilla(n, d, loss, None)
 
             def refit(nn, dd, ll):

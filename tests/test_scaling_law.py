@@ -7,6 +7,7 @@ from scaling.law import (
     PowerLaw,
     backtest,
     bootstrap_interval,
+    check_points,
     fit_chinchilla,
     fit_for,
     fit_power,
@@ -142,6 +143,11 @@ def test_too_few_points_is_one_sentence(n, d, message):
     args = (n, np.full(len(n), 3.0)) if d is None else (n, d, np.full(len(n), 3.0))
     with pytest.raises(ValueError, match=message):
         fitter(*args)
+    if "tokens-per-parameter" in message:  # one budget: fit_for and the plan take the L(N) form instead
+        check_points(n, d)
+    else:
+        with pytest.raises(ValueError, match=message):  # the same, from the plan alone (before any loss exists)
+            check_points(n, d)
 
 
 def test_bad_values_are_one_sentence():
