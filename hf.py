@@ -502,14 +502,9 @@ def check_args(folder: str, args: ModelArgs) -> None:
     training options (balancing coefficients and bias rate). ffn_dim counts only where a layer is dense.
     """
     hf_args, _ = read_hf_folder(folder)
-    if bool(hf_args.n_experts) != bool(args.n_experts):
-        what = (f"a mixture of experts ({ARCHITECTURES[hf_model_type(hf_args)]}, model.n_experts "
-                f"{hf_args.n_experts})" if hf_args.n_experts else "a dense Llama")
-        raise HFError(f"'{folder}' is {what}, and this run's model.n_experts is {args.n_experts}; "
-                      + ("drop --model.n_experts and the other expert options" if args.n_experts else
-                         f"set --model.n_experts {hf_args.n_experts} and the flags this check then names"))
-    fields = _SHAPE_FIELDS + (_MOE_FIELDS if args.n_experts else ())
-    if not args.n_experts or args.moe_first_dense or hf_args.moe_first_dense:
+    moe = bool(hf_args.n_experts)
+    fields = _SHAPE_FIELDS + (_MOE_FIELDS if moe else ())
+    if not moe or args.moe_first_dense or hf_args.moe_first_dense:
         fields += ("ffn_dim",)
 
     def differs(k):
@@ -521,6 +516,9 @@ def check_args(folder: str, args: ModelArgs) -> None:
 
     diff = [f"--model.{'expert_ffn_dim' if k == 'expert_hidden' else k} {flag(getattr(hf_args, k))} (config has "
             f"{flag(getattr(args, k))})" for k in fields if differs(k)]
+    if args.n_experts and not moe:
+        raise HFError(f"'{folder}' is a dense Llama, and this run's model.n_experts is {args.n_experts}; drop "
+                      f"--model.n_experts and the other expert options" + (f", and set {', '.join(diff)}" if diff else ""))
     if diff:
         raise HFError(f"'{folder}' is another model shape; set {', '.join(diff)}")
 

@@ -156,6 +156,42 @@ def test_what_mixtral_cannot_express_is_refused_at_export(tmp_path, tok_path, sh
     assert os.listdir(tmp_path) == []
 
 
+def test_init_from_hf_of_another_model_names_the_flags_and_they_fit(tmp_path, tok_path, monkeypatch, capsys):
+    """--init_from_hf of an MoE export into the dense debug run: one line naming every --model.* value to set (the
+    experts' included), before any collective, nothing created; those flags, as printed, pass every check. The
+    reverse (an MoE run, a dense folder): drop the expert flags, as printed."""
+    from unittest import mock
+
+    import train_fsdp
+    from launch import refused
+    from parallel import distributed
+    from training.command import check_run
+
+    args = ModelArgs(**{**GQA, **MOE, "moe_score": "softmax"})
+    hf.save_hf(random_model(args).state_dict(), args, tok_path, str(tmp_path / "mixtral"))
+    hf.save_hf(random_model(ModelArgs(**GQA)).state_dict(), ModelArgs(**GQA), tok_path, str(tmp_path / "dense"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run = ["--config", DEBUG, "--run_dir", str(tmp_path / "run")]
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, [*run, "--init_from_hf", str(tmp_path / "mixtral")], capsys)
+    assert not os.path.exists(tmp_path / "run")
+    assert "is another model shape; set --model.dim 64 (config has 128), " in line and \
+        "--model.n_experts 4 (config has 0), --model.experts_per_token 2 (config has 0), --model.expert_ffn_dim 48 " \
+        "(config has 384), --model.moe_score softmax (config has sigmoid)" in line, line
+    pairs = [part.split(" (config has")[0].split() for part in line.split("; set ")[1].split(", ")]
+    flags = [w for pair in pairs for w in pair]
+    check_run(parse_config([*run, "--init_from_hf", str(tmp_path / "mixtral"), *flags]), 1)
+
+    expert = ("--model.n_experts", "--model.experts_per_token", "--model.expert_ffn_dim", "--model.moe_score")
+    dense_flags = [w for pair in pairs if pair[0] not in expert for w in pair]
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, [*run, *flags, "--init_from_hf", str(tmp_path / "dense")], capsys)
+    assert line.endswith("is a dense Llama, and this run's model.n_experts is 4; drop --model.n_experts and the other "
+                         "expert options, and set --model.ffn_dim 96 (config has 384)"), line
+    dense_flags += ["--model.ffn_dim", "96"]
+    check_run(parse_config([*run, *dense_flags, "--init_from_hf", str(tmp_path / "dense")]), 1)
+
+
 def test_tokenizer_round_trips_through_autotokenizer(tmp_path, tok_path):
     from tokenizers import Tokenizer
 
