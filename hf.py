@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python hf.py export ...`; bad input exits with status 2 and a one-line message."""
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face Llama folder")
+    e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face folder (Llama; an MoE as Mixtral or GLM-4.5 MoE)")
     e.add_argument("--run_dir", required=True, help="training run directory (config.toml, data/, checkpoints/)")
     e.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
     e.add_argument("--checkpoint", default="",

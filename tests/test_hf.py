@@ -131,6 +131,42 @@ def test_exported_moe_logits_equal_ours_under_transformers(tmp_path, tok_path, k
         torch.testing.assert_close(again(tokens), theirs, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe"])
+def test_moe_folders_written_by_transformers_import_with_their_logits(tmp_path, tok_path, kind):
+    """A Mixtral or GLM-4.5 MoE that transformers itself wrote (save_pretrained): read_hf_folder gives its shape,
+    and our model with its weights (and routing bias) computes its logits."""
+    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts_per_tok=2)
+    rope = {"rope_type": "default", "rope_theta": 500_000.0}
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(**common, intermediate_size=48, num_local_experts=4, rope_parameters=rope)
+    else:
+        cfg = transformers.Glm4MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48, n_routed_experts=4,
+                                         n_shared_experts=1, first_k_dense_replace=1,
+                                         rope_parameters={**rope, "partial_rotary_factor": 1.0})
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else 0.15 * torch.randn_like(p))
+        for name, b in theirs.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    folder = str(tmp_path / "from_transformers")
+    theirs.save_pretrained(folder)
+    shutil.copyfile(tok_path, os.path.join(folder, "tokenizer.json"))
+    args, _ = hf.read_hf_folder(folder)
+    assert (args.n_experts, args.experts_per_token, args.expert_hidden, args.moe_score) == (
+        4, 2, 48, "softmax" if kind == "mixtral" else "sigmoid")
+    ours = Transformer(args)
+    hf.load_hf_into(ours, folder)
+    tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(tokens).logits
+        assert want.abs().max() > 1.0
+        assert (ours(tokens) - want).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("shape, words", [
     ({"n_shared_experts": 1}, "which cannot express model.n_shared_experts 1; export a run trained without them, or "
                               "with --model.moe_score sigmoid (a Glm4MoeForCausalLM)"),
