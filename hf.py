@@ -229,7 +229,7 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
     """ModelArgs from a parsed config.json of a Llama, a Mixtral or a GLM-4.5 MoE (see ARCHITECTURES); raises
     HFError if it is another model, or uses a setting model.py does not compute exactly."""
     kind = cfg.get("model_type")
-    if kind not in ARCHITECTURES:
+    if not isinstance(kind, str) or kind not in ARCHITECTURES:
         raise HFError(f"'{where}' describes a '{kind}' model, not 'llama' (or the MoE 'mixtral' or 'glm4_moe')")
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     ints = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
