@@ -154,14 +154,15 @@ def fold(args, state: dict, inverse: bool = False) -> dict:
     """The state dict (our names -> full tensors) with every forward multiplier folded into the weights.
 
     The folded weights compute the same function in a model without multipliers (sp, or Hugging
-    Face's LlamaForCausalLM): wq times the query factor (RoPE is linear), wo and w2 times the
-    residual factor, output times the logits factor. inverse=True divides instead: a folded
+    Face's LlamaForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM): wq times the query factor (RoPE is
+    linear), wo and w2 (dense, routed experts' and shared experts') times the residual factor, output times
+    the logits factor; the router has no multiplier. inverse=True divides instead: a folded
     state (an export) back into this parametrization's weights. Returns new tensors; state is
     not modified. Under sp it returns state's tensors as they are.
     """
     m = multipliers(args)
-    factors = {"attention.wq.weight": m.query, "attention.wo.weight": m.residual,
-               "feed_forward.w2.weight": m.residual}
+    # An MoE's residual branch is the weighted sum of its experts' and shared experts' w2 outputs: linear in each.
+    factors = {"attention.wq.weight": m.query, **dict.fromkeys(RESIDUAL_WRITERS, m.residual)}
     out = {}
     for k, v in state.items():
         f = m.logits if k == "output.weight" else next((x for s, x in factors.items() if k.endswith(s)), 1.0)

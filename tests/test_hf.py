@@ -16,7 +16,7 @@ import hf
 from config import parse_config
 from data_pipeline import tokenizer
 from debug_export import debug_run_dir, exported_dir
-from launch import DEBUG, ROOT, metrics, prepared_data_dir, torchrun
+from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir, torchrun
 from model import PRESETS, ModelArgs, Transformer
 from models import random_model
 
@@ -85,6 +85,147 @@ def test_an_export_imported_into_its_parametrization_gives_back_its_weights(tmp_
     hf.load_hf_into(again, str(tmp_path / "out"))
     for k, v in model.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v, rtol=1e-6, atol=0, msg=k)
+
+
+# A mixture of experts per class: Mixtral (softmax, renormalised, routed experts only); GLM-4.5 (sigmoid, with the
+# balancing bias on the choice, shared experts, first dense layers, raw or renormalised weights), also under
+# completep, whose residual multiplier folds into every expert's w2.
+MOE = dict(n_experts=4, experts_per_token=2, expert_ffn_dim=48)
+MOE_SHAPES = {
+    "mixtral": ("MixtralForCausalLM", {**GQA, **MOE, "moe_score": "softmax"}),
+    "glm4_moe": ("Glm4MoeForCausalLM", {**GQA, **MOE, "n_layers": 3, "n_shared_experts": 1, "moe_first_dense": 1}),
+    "glm4_moe_raw": ("Glm4MoeForCausalLM", {**GQA, **MOE, "moe_renormalize": False}),
+    "glm4_moe_completep": ("Glm4MoeForCausalLM", {**GQA, **MOE, **COMPLETEP, "n_shared_experts": 2}),
+}
+
+
+@pytest.mark.parametrize("kind", list(MOE_SHAPES))
+def test_exported_moe_logits_equal_ours_under_transformers(tmp_path, tok_path, kind):
+    """An MoE export loads as the plain transformers class and gives our logits; importing it gives back the
+    model's weights and routing bias."""
+    cls, shape = MOE_SHAPES[kind]
+    args = ModelArgs(**shape)
+    model = random_model(args)
+    biases = [m for n, m in model.named_buffers() if n.endswith("expert_bias")]
+    if args.moe_score == "sigmoid":  # a moved bias, as the aux-loss-free balancing leaves it: it changes the choice
+        for i, b in enumerate(biases):
+            b.copy_(0.2 * torch.randn(b.shape, generator=torch.Generator().manual_seed(i)))
+    hf.save_hf(model.state_dict(), args, tok_path, str(tmp_path / "out"))
+    ref = load_hf(str(tmp_path / "out"))
+    assert type(ref).__name__ == cls
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(tokens), ref(tokens).logits
+        assert ours.abs().max() > 1.0
+        assert (ours - theirs).abs().max().item() <= 1e-4
+        if args.moe_score == "sigmoid":  # the comparison sees the bias
+            for b in biases:
+                b.zero_()
+            assert (model(tokens) - theirs).abs().max().item() > 1e-3
+    again = Transformer(args)
+    hf.load_hf_into(again, str(tmp_path / "out"))
+    for k, v in random_model(args).state_dict().items():
+        if not k.endswith("expert_bias"):
+            torch.testing.assert_close(again.state_dict()[k], v, rtol=1e-6, atol=0, msg=k)
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens), theirs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "glm4_moe"])
+def test_moe_folders_written_by_transformers_import_with_their_logits(tmp_path, tok_path, kind):
+    """A Mixtral or GLM-4.5 MoE that transformers itself wrote (save_pretrained): read_hf_folder gives its shape,
+    and our model with its weights (and routing bias) computes its logits."""
+    common = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts_per_tok=2)
+    rope = {"rope_type": "default", "rope_theta": 500_000.0}
+    if kind == "mixtral":
+        cfg = transformers.MixtralConfig(**common, intermediate_size=48, num_local_experts=4, rope_parameters=rope)
+    else:
+        cfg = transformers.Glm4MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48, n_routed_experts=4,
+                                         n_shared_experts=1, first_k_dense_replace=1,
+                                         rope_parameters={**rope, "partial_rotary_factor": 1.0})
+    torch.manual_seed(0)
+    theirs = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if name.endswith("norm.weight") else 0.15 * torch.randn_like(p))
+        for name, b in theirs.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn_like(b))
+    folder = str(tmp_path / "from_transformers")
+    theirs.save_pretrained(folder)
+    shutil.copyfile(tok_path, os.path.join(folder, "tokenizer.json"))
+    args, _ = hf.read_hf_folder(folder)
+    assert (args.n_experts, args.experts_per_token, args.expert_hidden, args.moe_score) == (
+        4, 2, 48, "softmax" if kind == "mixtral" else "sigmoid")
+    ours = Transformer(args)
+    hf.load_hf_into(ours, folder)
+    tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = theirs(tokens).logits
+        assert want.abs().max() > 1.0
+        assert (ours(tokens) - want).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("shape, words", [
+    ({"n_shared_experts": 1}, "which cannot express model.n_shared_experts 1; export a run trained without them, or "
+                              "with --model.moe_score sigmoid (a Glm4MoeForCausalLM)"),
+    ({"moe_first_dense": 1}, "which cannot express model.moe_first_dense 1;"),
+    ({"moe_renormalize": False}, "which cannot express model.moe_renormalize false;"),
+    ({"bias": True}, "which cannot express a routing bias, and the balancing bias (model.moe_bias_update_rate) moved "
+                     "in layer(s) 0, 1; train with --model.moe_bias_update_rate 0 (balance by --model.moe_aux_loss), "
+                     "or with --model.moe_score sigmoid"),
+], ids=["shared", "first_dense", "raw_weights", "bias"])
+def test_what_mixtral_cannot_express_is_refused_at_export(tmp_path, tok_path, shape, words):
+    """Softmax routing exports as Mixtral only where Mixtral computes it exactly; otherwise one line, nothing written."""
+    bias = shape.pop("bias", False)
+    args = ModelArgs(**{**GQA, **MOE, "moe_score": "softmax", **shape})
+    state = Transformer(args).state_dict()
+    if bias:
+        for k in state:
+            if k.endswith("expert_bias"):
+                state[k] = torch.full_like(state[k], 0.01)
+    with pytest.raises(hf.HFError) as e:
+        hf.save_hf(state, args, tok_path, str(tmp_path / "out"))
+    assert str(e.value).startswith("an export of model.moe_score softmax is a MixtralForCausalLM, ") and words in str(
+        e.value), str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_init_from_hf_of_another_model_names_the_flags_and_they_fit(tmp_path, tok_path, monkeypatch, capsys):
+    """--init_from_hf of an MoE export into the dense debug run: one line naming every --model.* value to set (the
+    experts' included), before any collective, nothing created; those flags, as printed, pass every check. The
+    reverse (an MoE run, a dense folder): drop the expert flags, as printed."""
+    from unittest import mock
+
+    import train_fsdp
+    from launch import refused
+    from parallel import distributed
+    from training.command import check_run
+
+    args = ModelArgs(**{**GQA, **MOE, "moe_score": "softmax"})
+    hf.save_hf(random_model(args).state_dict(), args, tok_path, str(tmp_path / "mixtral"))
+    hf.save_hf(random_model(ModelArgs(**GQA)).state_dict(), ModelArgs(**GQA), tok_path, str(tmp_path / "dense"))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run = ["--config", DEBUG, "--run_dir", str(tmp_path / "run")]
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, [*run, "--init_from_hf", str(tmp_path / "mixtral")], capsys)
+    assert not os.path.exists(tmp_path / "run")
+    assert "is another model shape; set --model.dim 64 (config has 128), " in line and \
+        "--model.n_experts 4 (config has 0), --model.experts_per_token 2 (config has 0), --model.expert_ffn_dim 48 " \
+        "(config has 384), --model.moe_score softmax (config has sigmoid)" in line, line
+    pairs = [part.split(" (config has")[0].split() for part in line.split("; set ")[1].split(", ")]
+    flags = [w for pair in pairs for w in pair]
+    check_run(parse_config([*run, "--init_from_hf", str(tmp_path / "mixtral"), *flags]), 1)
+
+    expert = ("--model.n_experts", "--model.experts_per_token", "--model.expert_ffn_dim", "--model.moe_score")
+    dense_flags = [w for pair in pairs if pair[0] not in expert for w in pair]
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, [*run, *flags, "--init_from_hf", str(tmp_path / "dense")], capsys)
+    assert line.endswith("is a dense Llama, and this run's model.n_experts is 4; drop --model.n_experts and the other "
+                         "expert options, and set --model.ffn_dim 96 (config has 384)"), line
+    dense_flags += ["--model.ffn_dim", "96"]
+    check_run(parse_config([*run, *dense_flags, "--init_from_hf", str(tmp_path / "dense")]), 1)
 
 
 def test_tokenizer_round_trips_through_autotokenizer(tmp_path, tok_path):
@@ -174,6 +315,40 @@ def test_import_into_a_sharded_training_session(tmp_path_factory, tmp_path):
         logits = load_hf(folder)(res["inputs"]).logits
     loss = F.cross_entropy(logits.flatten(0, 1), res["labels"].flatten()).item()
     assert abs(res["loss"] - loss) < 1e-5
+
+
+# Softmax routing that Mixtral computes: no balancing bias (the remedy hf.py prints: --model.moe_bias_update_rate 0),
+# balanced by the auxiliary loss instead.
+MIXTRAL_FLAGS = ["--model.n_experts", "4", "--model.experts_per_token", "2", "--model.moe_score", "softmax",
+                 "--model.moe_bias_update_rate", "0", "--model.moe_aux_loss", "0.01", "--train.val_interval", "0"]
+
+
+@pytest.mark.slow
+def test_moe_export_computes_our_logits_and_init_from_hf_continues_with_the_same_losses(tmp_path):
+    """hf.py export of a trained Mixtral-style run: MixtralForCausalLM's logits are ours. --init_from_hf of an
+    export of the run's initial weights, at ep 2, trains as the run itself did from them: the same losses."""
+    run, cont = tmp_path / "run", tmp_path / "continued"
+    prepared_data_dir(run)
+    debug_run(1, run, *MIXTRAL_FLAGS, "--train.steps", "3", "--checkpoint.interval", "3")
+    assert hf.main(["export", "--run_dir", str(run), "--out", str(tmp_path / "mixtral")]) == 0
+    ours, _ = generate.load_model(str(run))
+    ref = load_hf(str(tmp_path / "mixtral"))
+    assert type(ref).__name__ == "MixtralForCausalLM"
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 128), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (ours(tokens) - ref(tokens).logits).abs().max().item() <= 1e-4
+
+    cfg = parse_config(["--config", DEBUG, *MIXTRAL_FLAGS])
+    start = Transformer(cfg.model)
+    start.init_weights(cfg.train.seed)  # the run's weights at step 0 (init does not depend on the layout)
+    hf.save_hf(start.state_dict(), cfg.model, str(run / "data" / "tokenizer.json"), str(tmp_path / "step0"))
+    prepared_data_dir(cont)
+    # Imported at ep 2 (each rank keeps its experts' shards): the 1-rank run's losses, as every MoE layout gives them.
+    debug_run(2, cont, *MIXTRAL_FLAGS, "--parallel.ep", "2", "--train.steps", "3", "--checkpoint.interval", "1000",
+              "--init_from_hf", str(tmp_path / "step0"))
+    want, got = losses(run), losses(cont)
+    assert sorted(got) == sorted(want) == [1, 2, 3]
+    assert got == pytest.approx(want, rel=1e-5, abs=0)
 
 
 def _without_checkpoints(run, tmp_path) -> str:

@@ -248,9 +248,7 @@ def test_muon_orthogonalises_each_expert_on_its_own():
     ([*MOE, "--parallel.ep", "2", "--parallel.cp", "2"], "parallel.ep 2 does not run with parallel.cp 2 yet "
                                                          "(docs/moe.md); use parallel.ep 1 with parallel.cp 2"),
     ([*MOE, "--parallel.ep", "0"], "parallel.ep must be >= 1, got 0"),
-    ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf loads a dense Hugging Face Llama, and model.n_experts "
-                                                "is 4: mixture-of-experts import is not supported yet; drop "
-                                                "--init_from_hf"),
+    ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf: '/nonexistent' is not a directory"),
 ])
 def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys, argv, msg):
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -270,7 +268,6 @@ def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):
         parse_config(["--config", DEBUG, "--model.n_shared_experts", "1"])
     assert parse_config(["--config", DEBUG, "--model.n_shared_experts", "1", *MOE]).model.n_shared_experts == 1
     assert parse_config(["--config", DEBUG]).model.n_experts == 0
-    # --init_from_hf refused with MoE: dropped as printed, the same command passes every check.
     monkeypatch.setenv("WORLD_SIZE", "1")
     check_run(parse_config(["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MOE]), 1)
 
@@ -334,10 +331,21 @@ def test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused(moe_run, tm
 
 
 @pytest.mark.slow
-def test_hf_export_of_an_moe_run_is_refused(moe_run, tmp_path, capsys):
-    line = refused(hf.main, ["export", "--run_dir", str(moe_run), "--out", str(tmp_path / "out")], capsys)
-    assert "is a mixture of experts (model.n_experts 4); hf.py export writes Llama models only" in line
-    assert not os.path.exists(tmp_path / "out") or not os.listdir(tmp_path / "out")
+def test_hf_export_of_an_moe_run_computes_our_logits_in_transformers(moe_run, tmp_path):
+    """The default MoE (sigmoid scores, the balancing bias moved by 2 steps, a shared expert) exports as
+    Glm4MoeForCausalLM, whose logits are ours (tests/test_hf.py tests each class and the import)."""
+    import transformers
+
+    import generate
+
+    assert hf.main(["export", "--run_dir", str(moe_run), "--out", str(tmp_path / "out")]) == 0
+    ours, _ = generate.load_model(str(moe_run))
+    assert any(bool(b.any()) for n, b in ours.named_buffers() if n.endswith("expert_bias"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    assert type(ref).__name__ == "Glm4MoeForCausalLM"
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 128), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (ours(tokens) - ref(tokens).logits).abs().max().item() <= 1e-4
 
 
 # ---------------------------------------------------------------- layouts

@@ -36,10 +36,6 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
         check_layout(cfg, world_size)
     source = None  # (what the weights of a new start are, the tokenizer they were trained with)
     if cfg.init_from_hf:
-        if cfg.model.n_experts:
-            raise SetupError(f"--init_from_hf loads a dense Hugging Face Llama, and model.n_experts is "
-                             f"{cfg.model.n_experts}: mixture-of-experts import is not supported yet; drop "
-                             f"--init_from_hf to train the experts from scratch")
         require("safetensors", "hf", "--init_from_hf")
         try:
             hf.check_args(cfg.init_from_hf, cfg.model)
