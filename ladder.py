@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     command = shlex.join(["python", *(sys.argv if argv is None else ["ladder.py", *argv])])
     try:
-        check_flags(rest, [s for act in parser._actions for s in act.option_strings if s.startswith("--")])
+        check_flags(rest, [s for act in parser._actions for s in act.option_strings if s.startswith("--") and s != "--help"])
         cfg = parse_config(rest, require_file=True)
         sizes = [s for s in a.rungs.split(",") if s]
         check_form(len(sizes), a.budgets, cfg)
