@@ -52,6 +52,7 @@ from observability.progress import duration
 from optimization.optimizers import OptimConfig, decayed
 from prepare import prepare
 from scaling import report as ladder_report
+from scaling.law import check_points
 from storage.rundir import RunDir, check_local_dir
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -369,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [s for s in a.rungs.split(",") if s]
         check_form(len(sizes), a.budgets, cfg)
         rungs = plan(cfg, sizes, a.tokens_per_param, a.ladder_dir, tuple(a.budgets))
+        tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        try:  # law.py's own rule for the points planned (e.g. token counts that follow the sizes on one curve)
+            check_points([r.n_params for r in rungs for _ in r.runs],
+                         [x.steps * tokens_per_step for r in rungs for x in r.runs] if len(a.budgets) > 1 else None)
+        except ValueError as e:
+            raise ConfigError(f"--rungs x --budgets: {e}") from None
         checks = plan(cfg, [s for s in a.check.split(",") if s], a.tokens_per_param, a.ladder_dir)
         queries = plan_queries(cfg, a, min(rungs, key=lambda r: r.n_params))
         try:
@@ -376,7 +383,6 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # an unclosed quote
             raise ConfigError(f"--launcher {a.launcher!r} cannot be read as a command ({e}); close its quotes") from None
         check_inputs(rungs + checks, launcher, a.ladder_dir)
-        tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         rate = measured_rate(rungs + checks)
         print(f"[ladder] plan, {len(a.budgets)} budget(s) of {a.tokens_per_param:g} tokens per parameter x "
               f"{', '.join(f'{b:g}' for b in a.budgets)}:", flush=True)
