@@ -52,7 +52,7 @@ from observability.progress import duration
 from optimization.optimizers import OptimConfig, decayed
 from prepare import prepare
 from scaling import report as ladder_report
-from scaling.law import check_points
+from scaling.law import SAME_RATIO, check_points
 from storage.rundir import RunDir, check_local_dir
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -194,6 +194,10 @@ def check_form(n_rungs: int, budgets: list[float], cfg: Config) -> None:
         raise ConfigError(f"--rungs x --budgets: L(N, D) = E + A/N^alpha + B/D^beta has 5 parameters and needs 3 or "
                           f"more sizes and more points than that (rungs x budgets >= 6), got {n_rungs} x "
                           f"{len(budgets)}")
+    close = [(x, y) for x, y in zip(budgets, budgets[1:]) if y / x < SAME_RATIO]
+    if close:
+        raise ConfigError(f"--budgets {close[0][0]:g} and {close[0][1]:g} are less than {SAME_RATIO:g}x apart: the fit "
+                          f"counts them as one tokens-per-parameter budget; space the budgets further apart")
     if cfg.optim.schedule != "wsd":
         raise ConfigError(f"--budgets {','.join(f'{b:g}' for b in budgets)} branches WSD cooldowns off one "
                           f"constant-LR trunk per rung: set --optim.schedule wsd (it is '{cfg.optim.schedule}')")
@@ -373,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         try:  # law.py's own rule for the points planned (e.g. token counts that follow the sizes on one curve)
             check_points([r.n_params for r in rungs for _ in r.runs],
-                         [x.steps * tokens_per_step for r in rungs for x in r.runs] if len(a.budgets) > 1 else None)
+                         [x.steps * tokens_per_step for r in rungs for x in r.runs])
         except ValueError as e:
             raise ConfigError(f"--rungs x --budgets: {e}") from None
         checks = plan(cfg, [s for s in a.check.split(",") if s], a.tokens_per_param, a.ladder_dir)
@@ -383,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # an unclosed quote
             raise ConfigError(f"--launcher {a.launcher!r} cannot be read as a command ({e}); close its quotes") from None
         check_inputs(rungs + checks, launcher, a.ladder_dir)
+        for flag in ("dir", "load_from"):
+            if getattr(cfg.checkpoint, flag):  # every run keeps its own checkpoints; branches load the trunk's
+                raise ConfigError(f"--checkpoint.{flag}: each run of the ladder keeps its checkpoints in its own run "
+                                  f"directory (its branches load their trunk's from there); drop it")
         rate = measured_rate(rungs + checks)
         print(f"[ladder] plan, {len(a.budgets)} budget(s) of {a.tokens_per_param:g} tokens per parameter x "
               f"{', '.join(f'{b:g}' for b in a.budgets)}:", flush=True)
@@ -405,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         measured = [ladder_report.Point(c.name, c.n_params, c.runs[0].steps * tokens_per_step, c.runs[0].val_loss,
                                         c.runs[0].run_dir) for c in checks]
         try:
-            result = ladder_report.analyse(points, measured, queries, len(a.budgets) > 1)
+            result = ladder_report.analyse(points, measured, queries)
         except ValueError as e:  # law.py's sentence: the points cannot determine the form
             raise UserError(f"the ladder's fit: {e}") from None
         print("\n".join(ladder_report.write(result, a.ladder_dir, command)), flush=True)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Callable
 
 import numpy as np
 
-from scaling.law import ChinchillaLaw, backtest, bootstrap_interval, fit_chinchilla, fit_power
+from scaling.law import ChinchillaLaw, backtest, bootstrap_interval, fit_chinchilla, fit_for, fit_power
 
 LEVEL = 0.9
 """The intervals' coverage: the 5% and 95% quantiles of the bootstrap's predictions."""
@@ -47,22 +46,19 @@ class Query:
     """> 0: the planner's compute C; params and tokens are the compute-optimal ones the fit gives."""
 
 
-def fitter(several_budgets: bool) -> Callable:
-    """law.py's fit for the ladder's form: L(N, D) (fit_chinchilla) with several budgets, else L(N) (fit_power)."""
-    return fit_chinchilla if several_budgets else fit_power
-
-
-def analyse(points: list[Point], checks: list[Point], queries: list[Query], several_budgets: bool) -> dict:
+def analyse(points: list[Point], checks: list[Point], queries: list[Query]) -> dict:
     """ladder.json's content: {"form", "fit", "points", "checks", "backtest", "predictions"}.
 
-    The fit is over every point (params, tokens, val_loss); each check and query is predicted with the
+    The fit is over every point (params, tokens, val_loss), in the form they carry (law.fit_for: L(N, D)
+    with several tokens-per-parameter budgets, else L(N)); each check and query is predicted with the
     LEVEL bootstrap interval over the points (law.bootstrap_interval); the backtest fits the smallest k
-    rungs and predicts the next larger one, for every k the form can be fitted on (law.backtest).
+    rungs and predicts the next larger one, in the same form, for every k it can be fitted on
+    (law.backtest). A planner query under L(N), or where the fit has no optimum, gets an "error".
     Raises ValueError (law.py's) when the points cannot determine the form.
     """
-    fit = fitter(several_budgets)
     n, d, loss = (np.array([getattr(p, k) for p in points], dtype=float) for k in ("params", "tokens", "val_loss"))
-    law = fit_chinchilla(n, d, loss) if several_budgets else fit_power(n, loss)
+    law = fit_for(n, d, loss)
+    fit = fit_chinchilla if isinstance(law, ChinchillaLaw) else fit_power  # every refit and window in this form
 
     def predict(at_n: float, at_d: float) -> tuple[float, list[float]]:
         lo, hi = bootstrap_interval(n, d, loss, at_n, at_d, fitter=fit, level=LEVEL)
@@ -77,10 +73,11 @@ def analyse(points: list[Point], checks: list[Point], queries: list[Query], seve
     for q in queries:
         at_n, at_d = q.params, q.tokens
         if q.flops:
-            assert isinstance(law, ChinchillaLaw)  # ladder.py refuses a planner with one budget
             try:
+                if not isinstance(law, ChinchillaLaw):
+                    raise ValueError("the points hold one tokens-per-parameter budget: L(N) has no D to plan")
                 at_n, at_d, _ = law.optimal(q.flops)
-            except ValueError as e:  # exponents that give no optimum: said in the report, which is still written
+            except ValueError as e:  # no optimum: said in the report, which is still written
                 predictions.append({"name": q.name, "flops": q.flops, "planned": True, "error": str(e)})
                 continue
         pred, interval = predict(at_n, at_d)

@@ -92,6 +92,10 @@ WSD = ["--optim.schedule", "wsd"]
                                           "--check, --budgets"),
     ([*TARGET, *RUNGS, "--budget", "1"], "unknown flag --budget: did you mean --budgets?"),
     ([*TARGET, *RUNGS, "--ladderdir=x"], "unknown flag --ladderdir: did you mean --ladder_dir?"),
+    ([*TARGET, *RUNGS, "--checkpoint.dir", "s3://b/c"], "--checkpoint.dir: each run of the ladder keeps its "
+                                                        "checkpoints in its own run directory"),
+    ([*TARGET, *RUNGS, "--checkpoint.load_from", "x"], "--checkpoint.load_from: each run of the ladder keeps"),
+    ([*TARGET, *WSD, "--rungs", "32x2,64x2,96x2", "--budgets", "1,1.05"], "--budgets 1 and 1.05 are less than 1.1x apart"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys, argv, msg):
     rc = ladder.main([*argv, "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"])
