@@ -416,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
             result = ladder_report.analyse(points, measured, queries)
         except ValueError as e:  # law.py's sentence: the points cannot determine the form
             raise UserError(f"the ladder's fit: {e}") from None
+        except ArithmeticError as e:  # a refit that overflows: the runs stay, the report is not written
+            raise UserError(f"the ladder's fit failed ({type(e).__name__}: {e}); every run is kept, run the ladder "
+                            f"again once the fit is fixed") from None
         print("\n".join(ladder_report.write(result, a.ladder_dir, command)), flush=True)
     except UserError as e:
         report(e)
