@@ -349,7 +349,7 @@ def describe(rungs: list[Rung], checks: list[Rung], tokens_per_step: int, rate) 
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)  # --rung must not pass for --rungs
-    parser.add_argument("--rungs", required=True, help="comma-separated WIDTHxDEPTH sizes to fit")
+    parser.add_argument("--rungs", default="", help="comma-separated WIDTHxDEPTH sizes to fit (required)")
     parser.add_argument("--check", default="", help="comma-separated sizes trained at budget 1, kept out of the fit")
     parser.add_argument("--budgets", type=budgets_arg, default=[1.0],
                         help="increasing multiples of --tokens_per_param; several: cooldowns branched off one trunk "
@@ -370,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", *(sys.argv if argv is None else ["ladder.py", *argv])])
     try:
         check_flags(rest, [s for act in parser._actions for s in act.option_strings if s.startswith("--") and s != "--help"])
+        if not a.rungs:  # after check_flags, so that a near miss (--rung) is named as one
+            raise ConfigError("--rungs is required: the sizes to fit, e.g. --rungs 32x2,48x2,64x2,96x2")
         cfg = parse_config(rest, require_file=True)
         sizes = [s for s in a.rungs.split(",") if s]
         check_form(len(sizes), a.budgets, cfg)

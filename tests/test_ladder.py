@@ -91,6 +91,8 @@ WSD = ["--optim.schedule", "wsd"]
     ([*TARGET, *RUNGS, "--rung", "32x2"], "unknown flag --rung: did you mean --rungs? the ladder's flags are --rungs, "
                                           "--check, --budgets"),
     ([*TARGET, *RUNGS, "--budget", "1"], "unknown flag --budget: did you mean --budgets?"),
+    ([*TARGET, "--rung", "32x2,64x2,96x2,128x2"], "unknown flag --rung: did you mean --rungs?"),
+    (TARGET, "--rungs is required: the sizes to fit"),
     ([*TARGET, *RUNGS, "--ladderdir=x"], "unknown flag --ladderdir: did you mean --ladder_dir?"),
     ([*TARGET, *RUNGS, "--checkpoint.dir", "s3://b/c"], "--checkpoint.dir: each run of the ladder keeps its "
                                                         "checkpoints in its own run directory"),
