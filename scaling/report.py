@@ -166,14 +166,14 @@ def write(result: dict, ladder_dir: str, command: str) -> list[str]:
             (law["B"] * (ratio * grid) ** -law["beta"] if "B" in law else 0.0)
         ax.plot(grid, curve, color=f"C{i}", lw=1)
         ax.scatter([p["params"] for p in mine], [p["val_loss"] for p in mine], color=f"C{i}", zorder=3,
-                   label=f"budget {budget:g} ({ratio:.0f} tokens/param)")
+                   label=f"budget {budget:g} ({ratio:.3g} tokens/param)")
     for c in result["checks"]:
         ax.scatter([c["params"]], [c["measured"]], marker="x", s=60, color="k", zorder=4,
                    label=f"check {c['rung']} (measured)")
-    for q in result["checks"] + planned:
+    for i, q in enumerate(result["checks"] + planned):
         y = q["predicted"]
         ax.errorbar([q["params"]], [y], yerr=[[y - q["interval"][0]], [q["interval"][1] - y]], capsize=4,
-                    fmt="*" if q.get("planned") else "s", zorder=4,
+                    fmt="*" if q.get("planned") else "s", zorder=4, color=f"C{i + 5}",
                     label=(f"planner: C = {q['flops']:.2g}" if q.get("planned") else
                            f"{q.get('name', q.get('rung'))} (predicted, 90%)"))
     ax.set_xscale("log")

@@ -180,6 +180,7 @@ def test_ladder_json_holds_the_check_runs_own_val_loss_and_a_rerun_skips_every_f
     (check,) = ladder.plan(cfg, ["32x1"], 0.005, str(ld))
     run_dir = check.runs[0].run_dir
     assert {"config.toml", "metrics.jsonl", "checkpoints", "exit.json"} <= set(os.listdir(run_dir))
+    assert "data" not in os.listdir(run_dir) and f"prepared = \"{ld / 'data'}\"" in open(f"{run_dir}/config.toml").read()
     assert len([r for r in metrics(run_dir) if "val_loss" in r]) == 2
     with open(ld / "ladder.json") as f:
         lj = json.load(f)
