@@ -4,31 +4,20 @@
         [--tokens_per_param 20] [--flops C] [--target] [--ladder_dir runs/ladder]
         [--launcher "torchrun --standalone --nproc_per_node=8"] [--section.field VALUE ...]
 
-TARGET.toml is the run to predict, under model.parametrization mup or completep (its base_dim and
-base_n_layers name the proxy the hyperparameters were tuned at, so each rung trains with the
-same optim.lr and the model's own multipliers). A rung WIDTHxDEPTH is the target's shape at
-model.dim WIDTH and model.n_layers DEPTH (head_dim, the n_heads/n_kv_heads ratio and the
-ffn_dim/dim ratio kept; ffn_dim rounded up to a multiple of 32). At budget B it trains for
-ceil(B x tokens_per_param x N / (global_batch_size x seq_len)) steps, N its parameters outside the
-embedding (model.num_params); every run of a rung warms up for the target's warmup as the same
-fraction of the rung's budget-1 steps.
-
-One budget (the default, 1): each rung is one plain run ladder_dir/rung_WIDTHxDEPTH under the
-target's schedule, and L(N) = E + A/N^alpha is fitted. Several budgets (optim.schedule wsd): each
-rung trains one trunk ladder_dir/rung_WxD/trunk at constant LR after the warmup (WSD's stable
-phase), and each budget is a cooldown branch ladder_dir/rung_WxD/budget_B: an ordinary run of the
-budget's steps that loads the trunk's checkpoint at the step where its WSD decay begins (the last
-optim.decay_fraction of its steps) and decays from there, as a run given that schedule from the
-start does. The trunk runs in segments that end (and save) at the branch points; 4 budgets cost
-about 1.2x the longest run. Then L(N, D) = E + A/N^alpha + B/D^beta is fitted over every (rung,
-budget) point (scaling/law.py). Every run directory is ordinary: a finished one is skipped, an
-interrupted one resumes, so after Ctrl-C or a crash the same command continues the ladder.
-
-The data is prepared once into ladder_dir/data and shared (data.prepared). Each prediction comes
-with the 90% interval of a bootstrap over the points; --check sizes train once at budget 1, kept
-out of the fit, and are reported as predicted against measured; a backtest fits the smallest
-rungs and predicts the next larger one. --flops C (and --target: the target's own 6 N D) plans the
-compute-optimal N and D of the L(N, D) fit. ladder_dir gets ladder.md, ladder.json and ladder.png.
+TARGET.toml is the run to predict, under model.parametrization mup or completep, so each rung trains
+with the same optim.lr. A rung WIDTHxDEPTH is the target's shape at that dim and n_layers (head_dim,
+the kv-head and ffn ratios kept); at budget B it trains ceil(B x tokens_per_param x N /
+(global_batch_size x seq_len)) steps, N its non-embedding parameters, after the target's warmup as
+the same fraction of its budget-1 steps. One budget (the default): each rung is one plain run
+ladder_dir/rung_WxD, and L(N) = E + A/N^alpha is fitted. Several (under optim.schedule wsd): each rung
+trains one trunk (rung_WxD/trunk) at constant LR, in segments that end with a checkpoint where each
+budget's WSD decay begins; each budget is a cooldown branch rung_WxD/budget_B that loads that
+checkpoint and decays to its end, as a run given that schedule from the start does (4 budgets cost
+about 1.2x the longest run), and L(N, D) = E + A/N^alpha + B/D^beta is fitted (scaling/law.py). Every
+run directory is ordinary: a finished one is skipped, an interrupted one resumes. The data is prepared
+once into ladder_dir/data. Every prediction has a 90% bootstrap interval; --check sizes train at
+budget 1 outside the fit; a backtest predicts each rung from the smaller ones; --flops C (--target:
+the target's own 6 N D) plans the compute-optimal N and D. Output: ladder.md, ladder.json, ladder.png.
 """
 from __future__ import annotations
 
