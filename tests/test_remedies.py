@@ -31,6 +31,8 @@ new one without a row here fails: write its test, then add the row.
 | parallel/float8.py | `use --train.float8 off`: a GPU without float8 matmuls | test_float8.py::test_float8_on_a_gpu_below_compute_capability_8_9_is_refused |
 | evaluate.py | `use --split all or raise --data.val_fraction` | test_hf.py::test_an_empty_split_is_refused_and_split_all_evaluates |
 | ladder.py | `set --model.parametrization mup (or completep) with --model.base_dim` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |
+| ladder.py | `set --optim.schedule wsd` | test_ladder.py::test_the_schedule_remedy_is_accepted_as_printed |
+| ladder.py | `interrupted; run the same command again to resume` | test_ladder.py::test_ctrl_c_waits_for_the_run_to_save_prints_one_line_and_the_same_command_resumes |
 | model.py | `apply only to a mixture of experts; set --model.n_experts (and --model.experts_per_token), or drop them` | test_moe.py::test_moe_option_remedies_are_accepted_as_printed |
 | training/resume.py | `to resume it, or start a new --run_dir`: an MoE checkpoint resumed as dense | test_moe.py::test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused |
 """
