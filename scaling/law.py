@@ -280,6 +280,33 @@ def _centred(n: np.ndarray, d: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray
     return np.log(n) - shift[0], np.log(d) - shift[1], np.log(loss), shift
 
 
+def _log_exponents(fg: Callable) -> Callable:
+    """fg over rows (a, b, e, log alpha, log beta) instead of (a, b, e, alpha, beta): the optimiser then keeps both
+    exponents > 0, the law's form (a loss that falls with N and with D). Without it, points from the early-training
+    regime, where the loss falls with D alone, fit a negative alpha whose predictions overflow."""
+    def wrapped(u: np.ndarray, rows):
+        th = _from_log(u)
+        f, g = fg(th, rows)
+        g = g.copy()
+        g[:, 3:] *= th[:, 3:]  # d/d log alpha = alpha d/d alpha
+        return f, g
+    return wrapped
+
+
+def _to_log(theta: np.ndarray) -> np.ndarray:
+    """Rows (a, b, e, alpha, beta) -> (a, b, e, log alpha, log beta); alpha, beta > 0."""
+    u = theta.copy()
+    u[:, 3:] = np.log(theta[:, 3:])
+    return u
+
+
+def _from_log(u: np.ndarray) -> np.ndarray:
+    """The inverse of _to_log, exponents capped at e^5 (~148: far past any measured law, and no overflow)."""
+    theta = u.copy()
+    theta[:, 3:] = np.exp(np.minimum(u[:, 3:], 5.0))
+    return theta
+
+
 def _law(theta: np.ndarray, shift: np.ndarray) -> ChinchillaLaw:
     """The law of one centred (a, b, e, alpha, beta) row."""
     a, b, e, alpha, beta = theta
@@ -300,8 +327,8 @@ def _fit_chinchilla(n, d, loss) -> tuple[ChinchillaLaw, np.ndarray]:
 
     theta = _profile_starts(x, y, loss)
     f, _ = fg(theta, None)
-    theta, f = _bfgs(theta[np.argsort(np.where(np.isfinite(f), f, np.inf))[:16]], fg, 500)
-    theta = theta[np.argsort(f)]
+    u, f = _bfgs(_to_log(theta[np.argsort(np.where(np.isfinite(f), f, np.inf))[:16]]), _log_exponents(fg), 500)
+    theta = _from_log(u)[np.argsort(f)]
     minima = [theta[0]]
     for th in theta[1:]:
         if len(minima) < 8 and all(np.abs(th - m).max() > 1e-3 for m in minima):
@@ -326,7 +353,8 @@ def _refit_chinchilla(n: np.ndarray, d: np.ndarray, loss: np.ndarray, weights: n
     def fg(th, rows):
         return _huber_log(th, x, y, logl, weights[rows // k])
 
-    theta, f = _bfgs(theta, fg, 500)
+    u, f = _bfgs(_to_log(theta), _log_exponents(fg), 500)
+    theta = _from_log(u)
     best = np.argmin(np.where(np.isfinite(f), f, np.inf).reshape(-1, k), axis=1) + k * np.arange(len(weights))
     return [_law(th, shift) for th in theta[best]]
 
