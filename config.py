@@ -36,6 +36,7 @@ from parallel import float8
 from parallel.context_parallel import check_cp_layout
 from parallel.distributed import local_world_size, resolve_device
 from parallel.parallelize import ParallelConfig, check_layout
+from parallel.pipeline import check_pp
 from storage.fs import check_location, is_url
 from storage.rundir import RunDir, check_local_dir
 
@@ -308,6 +309,34 @@ def check_moe(cfg: Config) -> None:
                          f"{cfg.train.float8} yet (docs/moe.md); use train.float8 off or train a dense model")
 
 
+PIPELINE_REFUSED = {
+    "parallel.tp": lambda c: c.parallel.tp > 1,
+    "parallel.cp": lambda c: c.parallel.cp > 1,
+    "model.n_experts": lambda c: c.model.n_experts > 0,
+    "optim.name muon": lambda c: c.optim.name == "muon",
+    "train.loss_chunk_size": lambda c: c.train.loss_chunk_size > 0,
+    "model.document_mask": lambda c: c.model.document_mask,
+    "train.float8": lambda c: c.train.float8 != "off",
+    "[[eval.tasks]]": lambda c: bool(c.eval.tasks),
+}
+"""What pipeline parallelism does not run with yet (docs/pipeline.md's table), by the setting's name."""
+
+
+def check_pipeline(cfg: Config, world_size: int) -> None:
+    """Raise SetupError for parallel.pp > 1 with what it does not run with yet (PIPELINE_REFUSED), or with stages,
+    schedule or micro-batches that cannot work (pipeline.check_pp)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    refused = [name for name, on in PIPELINE_REFUSED.items() if on(cfg)]
+    if refused:
+        raise SetupError(f"parallel.pp {p.pp} does not run with {', '.join(refused)} yet (docs/pipeline.md); "
+                         f"use parallel.pp 1 with them, or drop them")
+    dp = world_size // (p.tp * p.cp * p.pp)
+    for start, g in cfg.train.batch_schedule():
+        check_pp(p.pp, p.pp_schedule, p.pp_microbatches, cfg.model.n_layers, g // max(dp, 1))
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """The checks across sections, files and the world size; needs no collective (run on every rank, first).
 
@@ -328,8 +357,9 @@ def validate(cfg: Config, world_size: int) -> None:
     check_moe(cfg)
     check_layout(cfg.parallel, world_size, local_world_size())
     m = cfg.model
+    check_pipeline(cfg, world_size)
     check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
-    dp = world_size // (tp * cfg.parallel.cp)
+    dp = world_size // (tp * cfg.parallel.cp * cfg.parallel.pp)
     for i, (start, g) in enumerate(t.batch_schedule()):
         name = "train.global_batch_size" if i == 0 else f"train.batch_stages[{i - 1}].global_batch_size"
         micro = t.micro_batch(dp, start)

@@ -462,9 +462,13 @@ class Transformer(nn.Module):
                 mask = block_mask(layout.doc) if tokens.device.type == "cuda" else block_causal_mask(layout.doc)
         elif self.args.document_mask:
             cos, sin, mask = self._document_layout(tokens)
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (parallel/pipeline.py) holds some blocks: without the embedding it takes the
+        # residual stream (batch, seq, dim) as `tokens`; without the final norm it returns it.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, cache[i], start)
+        if self.norm is None:
+            return h
         h = self.norm(h)
         if self.logits_scale != 1.0:
             h = h * self.logits_scale  # mup's 1/m_N on the logits, before any head (chunked or vocab-parallel)

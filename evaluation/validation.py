@@ -92,14 +92,16 @@ def reshard(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device, mesh: DeviceMesh,
-                       dp_group, loss_chunk_size: int = 0) -> tuple[float, int]:
+                       dp_group, loss_chunk_size: int = 0, pipeline=None) -> tuple[float, int]:
     """(sum of token losses in nats, number of targets) over every rank's share of vs (collective over dp_group).
 
     Training's loss (loss.token_loss_sum: fp32 cross-entropy, chunked as applied on mesh),
     forward only: under no_grad the chunked loss computes no gradient. With a "cp" dimension
     each rank scores its slice of every window (context_parallel.shard_batch), and dp_group
     must be parallelize.loss_mesh's (data-parallel x CP) so that every slice is counted once. Every rank runs
-    vs.n_forward passes. Afterwards each FSDP module is resharded, so that with
+    vs.n_forward passes. pipeline: under pipeline parallelism this rank's parallel.pipeline.Pipeline (model
+    is its stage): each batch runs stage after stage, and the last stage's sums reach every stage. Afterwards
+    each FSDP module is resharded, so that with
     parallel.reshard_after_forward false the parameters a forward left gathered are freed
     now, not at the next backward. The model is left in train mode.
     """
@@ -111,11 +113,16 @@ def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device,
         for i in range(vs.n_forward):
             inputs, labels = vs.batches[min(i, len(vs.batches) - 1)] if vs.batches else spare
             inputs, labels, layout = shard_batch(model, inputs.to(device), labels.to(device), mesh)
-            loss = token_loss_sum(model, inputs, labels, chunk, layout)
-            if i < len(vs.batches):
+            if pipeline is not None:
+                loss = pipeline.forward_loss(inputs, labels)
+            else:
+                loss = token_loss_sum(model, inputs, labels, chunk, layout)
+            if i < len(vs.batches) and (pipeline is None or pipeline.is_last):
                 total[0] += scalar(loss).double()
                 total[1] += labels.numel()
     reshard(model)
     model.train()
+    if pipeline is not None:
+        dist.all_reduce(total, group=pipeline.group)
     dist.all_reduce(total, group=dp_group)
     return total[0].item(), int(total[1].item())

@@ -30,6 +30,7 @@ from nn.moe import MoE
 from parallel import float8
 from parallel.context_parallel import apply_ulysses
 from parallel.expert_parallel import apply_expert_parallel, shard_experts
+from parallel.pipeline import PassThrough, prune
 
 TPPlan = dict[str, ParallelStyle]
 """A tensor-parallel plan: module name pattern (e.g. 'layers.*.attention.wq') -> its style."""
@@ -53,7 +54,18 @@ class ParallelConfig:
     ep: int = 1
     """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (dp_replicate x cp x tp)); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts; tp 1 and cp 1 (docs/moe.md)."""
 
+    pp: int = 1
+    """Pipeline-parallel stages (parallel/pipeline.py): the blocks split into pp contiguous stages, one per rank of a pipeline group, the outermost mesh dimension (so its point-to-point traffic is what crosses nodes). Both scripts; world = pp x data-parallel x cp x tp."""
+    pp_schedule: str = "1F1B"
+    """torch.distributed.pipelining's schedule by its name: 1F1B (the default: at most pp micro-batches' activations in flight) or GPipe (all of them); docs/pipeline.md."""
+    pp_microbatches: int = 0
+    """Micro-batches each data-parallel rank's share of the step is split into for the pipeline (>= pp, dividing that share); 0: the largest divisor of the share up to 4 x pp. They replace train.micro_batch_size's gradient accumulation."""
+
     def __post_init__(self) -> None:
+        if self.pp < 1:
+            raise ConfigError(f"parallel.pp must be >= 1, got {self.pp}")
+        if self.pp_microbatches < 0:
+            raise ConfigError(f"parallel.pp_microbatches must be >= 0 (0: chosen from the batch), got {self.pp_microbatches}")
         if self.ep < 1:
             raise ConfigError(f"parallel.ep must be >= 1, got {self.ep}")
         if self.tp < 1:
@@ -75,23 +87,27 @@ def check_layout(cfg: ParallelConfig, world_size: int, local_world_size: int) ->
     ranks that communicate in every layer) must not span nodes, which with torchrun's
     node-by-node rank order means tp divides the ranks of a node.
     """
-    tp, rep, cp = cfg.tp, cfg.dp_replicate, cfg.cp
-    if world_size % (tp * cp):
-        what = "parallel.tp" if cp == 1 else "parallel.cp" if tp == 1 else "parallel.cp x parallel.tp"
-        raise SetupError(f"world size {world_size} is not divisible by {what} ({tp * cp}); launch a multiple of "
-                         f"{tp * cp} processes or change {what}")
-    dp = world_size // (tp * cp)
+    tp, rep, cp, pp = cfg.tp, cfg.dp_replicate, cfg.cp, cfg.pp
+    inner = tp * cp * pp
+    if world_size % inner:
+        parts = [f"parallel.{n}" for n, v in (("pp", pp), ("cp", cp), ("tp", tp)) if v > 1]
+        what = " x ".join(parts) if parts else "parallel.tp"
+        raise SetupError(f"world size {world_size} is not divisible by {what} ({inner}); launch a multiple of "
+                         f"{inner} processes or change {what}")
+    dp = world_size // inner
     if dp % rep:
         fix = f"use a divisor of {dp} (the number of nodes is usual)" if dp > 1 else "use parallel.dp_replicate 1"
         div = f"parallel.tp {tp}" if cp == 1 else f"(parallel.cp {cp} x parallel.tp {tp})"
+        div = div if pp == 1 else f"(parallel.pp {pp} x {div})"
         raise SetupError(f"parallel.dp_replicate ({rep}) does not divide the {dp} data-parallel rank(s) (world size "
-                         f"{world_size} / {div}); {fix} or launch a multiple of {rep * tp * cp} processes")
+                         f"{world_size} / {div}); {fix} or launch a multiple of {rep * inner} processes")
     shard = dp // rep
     if shard % cfg.ep:
         fits = [d for d in range(1, shard + 1) if shard % d == 0]
         raise SetupError(f"parallel.ep ({cfg.ep}) does not divide the {shard} data-parallel shard rank(s) (world size "
-                         f"{world_size} / (dp_replicate {rep} x cp {cp} x tp {tp})) that expert parallelism splits; "
-                         f"use parallel.ep in {fits} or launch a multiple of {cfg.ep * rep * cp * tp} processes")
+                         f"{world_size} / (dp_replicate {rep} x cp {cp} x tp {tp}{f' x pp {pp}' if pp > 1 else ''})) "
+                         f"that expert parallelism splits; use parallel.ep in {fits} or launch a multiple of "
+                         f"{cfg.ep * rep * inner} processes")
     if local_world_size % tp:
         raise SetupError(f"parallel.tp ({tp}) does not divide the {local_world_size} process(es) of this node "
                          f"(LOCAL_WORLD_SIZE), so a TP group would span nodes; use a parallel.tp that divides "
@@ -111,7 +127,7 @@ def shard_group_note(cfg: ParallelConfig, world_size: int, local_world_size: int
 
 
 def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate: int = 1, cp: int = 1,
-               ep: int = 1) -> DeviceMesh:
+               ep: int = 1, pp: int = 1) -> DeviceMesh:
     """The device mesh (collective), with a "dp" dimension over every data-parallel rank.
 
     ("dp",) of world_size, or ("dp", "tp") of (world_size / tp, tp) when tp > 1. With
@@ -125,9 +141,11 @@ def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate:
     that tp x cp x dp_replicate divides world_size. With ep > 1 the shard ranks ("dp", or
     "dp_shard" under HSDP) are two dimensions, ("dp_mod_ep", "ep"): consecutive ranks form an
     EP group, and the ranks that hold the same experts are "dp_mod_ep" (expert_mesh); the
-    caller has checked that ep divides the shard ranks.
+    caller has checked that ep divides the shard ranks. With pp > 1 a "pp" dimension comes
+    first (outermost: consecutive ranks share a stage, so the other groups stay inside a node
+    and the pipeline's point-to-point traffic is what crosses nodes).
     """
-    dp = world_size // (tp * cp)
+    dp = world_size // (tp * cp * pp)
     shard = dp // dp_replicate
     if ep > 1:
         names, shape = ("dp_mod_ep", "ep"), (shard // ep, ep)
@@ -135,6 +153,8 @@ def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate:
         names, shape = ("dp_shard" if dp_replicate > 1 else "dp",), (shard,)
     if dp_replicate > 1:
         names, shape = ("dp_replicate",) + names, (dp_replicate,) + shape
+    if pp > 1:
+        names, shape = ("pp",) + names, (pp,) + shape
     if cp > 1:
         names, shape = names + ("cp",), shape + (cp,)
     if tp > 1:
@@ -250,7 +270,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
         apply_ulysses(model, mesh["cp"])
     if "ep" in names:
         apply_expert_parallel(model, mesh["ep"])
-    for block in model.layers:
+    for block in stage_blocks(model):
         if activation_checkpointing == "full":
             activation_checkpoint(block)
         elif activation_checkpointing == "selective":
@@ -264,7 +284,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if "ep" in names:  # before the blocks, which then leave the experts to their own group
         shard_experts(model, **{**kwargs, "mesh": expert_mesh(mesh)})
-    blocks = list(model.layers)
+    blocks = stage_blocks(model)
     for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -272,6 +292,11 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch):i][::-1])
+
+
+def stage_blocks(model: Transformer) -> list[torch.nn.Module]:
+    """The blocks this rank runs: all of them, or under pipeline parallelism its stage's (pipeline.prune)."""
+    return [b for b in model.layers if not isinstance(b, PassThrough)]
 
 
 def with_moe(plan: TPPlan, model: Transformer) -> TPPlan:
@@ -329,6 +354,8 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, device: torch.device, seed: i
     """
     with torch.device("meta"):
         model = Transformer(args)
+    if "pp" in (mesh.mesh_dim_names or ()):
+        prune(model, mesh["pp"].get_local_rank(), mesh["pp"].size())
     parallelize(model, mesh, cfg, dtype=dtype, activation_checkpointing=activation_checkpointing,
                 compile=compile, tp_plan=tp_plan, float8_recipe=float8_recipe)
     materialize(model, device, seed, cfg.cpu_offload)

@@ -125,7 +125,8 @@ class Validation:
     def run(self, step: int, result: StepResult) -> None:
         s = self.s
         sums = {v.name: loss_sum_and_count(s.model, v, s.device, s.mesh, self.loss_group,
-                                           s.cfg.train.loss_chunk_size) for v in self.sets}  # each source alone
+                                           s.cfg.train.loss_chunk_size, s.pipeline)
+                for v in self.sets}  # each source alone
         record = val_record({name: total / count for name, (total, count) in sums.items()}, self.sets)
         self.log.write({"step": step, **record})
         self.progress.write(f"[val] step {step}: val_loss {record['val_loss']:.4f}")

@@ -56,7 +56,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     rank) for bad data or a checkpoint that does not fit the model.
     """
     mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate, cfg.parallel.cp,
-                      cfg.parallel.ep)
+                      cfg.parallel.ep, cfg.parallel.pp)
     data_parallel = dp_mesh(mesh)
     dp = data_parallel.size()
     torch.manual_seed(cfg.train.seed)

@@ -25,6 +25,7 @@ from optimization.spike import push, spike_reason
 from parallel import distributed, float8
 from parallel.context_parallel import shard_batch
 from parallel.parallelize import TPPlan, build_model, dp_mesh, loss_mesh
+from parallel.pipeline import Pipeline, build_pipeline, default_microbatches
 
 
 def moe_layers(model: torch.nn.Module) -> list[MoE]:
@@ -144,15 +145,16 @@ class Divergence(Exception):
 
 
 def optimizer_step(model, optimizer, grad_clip: float, device, skip_nonfinite: bool = False,
-                   veto: Callable[[float], bool] | None = None) -> torch.Tensor:
+                   veto: Callable[[float], bool] | None = None, stages_group=None) -> torch.Tensor:
     """Clip to grad_clip (0: no clipping), step, zero the gradients; returns the pre-clip global norm.
 
     A non-finite norm never reaches the weights: the gradients are dropped and NonFiniteError
     is raised, or, with skip_nonfinite, the update is skipped and the non-finite norm returned.
     veto(norm): called with a finite pre-clip norm; True drops the gradients instead of the
-    update (the spike guard). Checking costs one host sync per step.
+    update (the spike guard). Checking costs one host sync per step. stages_group: the pp group under
+    pipeline parallelism (the norm is the whole model's: distributed.grad_norm_).
     """
-    norm = distributed.grad_norm_(model.parameters(), grad_clip, device)
+    norm = distributed.grad_norm_(model.parameters(), grad_clip, device, stages_group)
     if not torch.isfinite(norm).item():
         optimizer.zero_grad(set_to_none=True)
         if skip_nonfinite:
@@ -215,6 +217,8 @@ class Trainable:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     train_state: TrainState
+    pipeline: Pipeline | None
+    """Under parallel.pp > 1: this rank's stage and its schedule (model is the stage)."""
 
 
 def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.Module], None] | None = None
@@ -242,8 +246,11 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     lr = s.scheduler.get_last_lr()[0]
     ranks = loss_mesh(s.mesh).size()  # the data-parallel x CP ranks FSDP averages gradients over
     moe = MoEStats.of(s.model, s.device)
-    loss_sum, z_sum = forward_backward(s.model, micro_batches, n_targets, ranks, s.device, s.mesh, t.loss_chunk_size,
-                                       t.z_loss, moe)
+    if s.pipeline is not None:
+        loss_sum, z_sum = s.pipeline.forward_backward(micro_batches, n_targets, ranks, s.device)
+    else:
+        loss_sum, z_sum = forward_backward(s.model, micro_batches, n_targets, ranks, s.device, s.mesh,
+                                           t.loss_chunk_size, t.z_loss, moe)
     if after_backward is not None:
         after_backward(s.model)
     if moe is not None:
@@ -256,7 +263,8 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
                                  t.rollback_after if t.rollback else 0)
     try:
         result.grad_norm = optimizer_step(s.model, s.optimizer, cfg.optim.grad_clip, s.device,
-                                          t.nonfinite == "skip" or t.rollback > 0, veto)
+                                          t.nonfinite == "skip" or t.rollback > 0, veto,
+                                          s.pipeline.group if s.pipeline is not None else None)
     except NonFiniteError as e:
         raise NonFiniteError(f"{e} (loss {loss_sum.item() / n_targets * ranks:.4g} on rank {s.rank})") from None
     finite = bool(torch.isfinite(result.grad_norm).item())
@@ -322,4 +330,12 @@ def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.devi
                             float8_recipe=t.float8)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload,
                                            batch_schedule=t.batch_schedule())
-    return Trainable(cfg, rank, device, mesh, dp_mesh(mesh).size(), model, optimizer, scheduler, TrainState())
+    pipeline = None
+    if "pp" in (mesh.mesh_dim_names or ()):
+        p = cfg.parallel
+        local = t.global_batch_size // dp_mesh(mesh).size()
+        dtype = torch.bfloat16 if compute_dtype(t, device) == "bfloat16" else torch.float32
+        pipeline = build_pipeline(model, mesh["pp"], device, p.pp_schedule,
+                                  p.pp_microbatches or default_microbatches(p.pp, local), t.z_loss, dtype)
+    return Trainable(cfg, rank, device, mesh, dp_mesh(mesh).size(), model, optimizer, scheduler, TrainState(),
+                     pipeline)

@@ -1,0 +1,132 @@
+"""Pipeline parallelism (parallel/pipeline.py): stages against one process (losses, clipped norm, gradients), a
+checkpoint written at pp 2 resumed on 1 rank, the layer split, and what is refused before any collective."""
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+import train_2d
+import train_fsdp
+from launch import (
+    DEBUG,
+    kill_tree,
+    losses,
+    metrics,
+    prepared_data_dir,
+    refused,
+    spawn,
+    torchrun,
+    torchrun_command,
+    wait_for_step,
+)
+from model import ModelArgs, Transformer
+from parallel import distributed
+from parallel.pipeline import PassThrough, prune, stage_layers
+
+MHA = ["--model.n_kv_heads", "4"]
+
+
+def test_layers_split_into_contiguous_stages_the_first_ones_one_longer():
+    assert [list(stage_layers(7, 3, s)) for s in range(3)] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [list(stage_layers(4, 4, s)) for s in range(4)] == [[0], [1], [2], [3]]
+    for n, pp in [(5, 2), (12, 5), (3, 3)]:
+        assert sorted(i for s in range(pp) for i in stage_layers(n, pp, s)) == list(range(n))
+
+
+def test_a_pruned_stage_keeps_the_full_models_names_and_only_its_part():
+    args = ModelArgs(dim=32, n_layers=3, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=48, max_seq_len=16)
+    full = set(Transformer(args).state_dict())
+    parts = []
+    for stage in range(2):
+        m = Transformer(args)
+        prune(m, stage, 2)
+        parts.append(set(m.state_dict()))
+        assert isinstance(m.layers[2 if stage == 0 else 0], PassThrough)
+    assert parts[0] | parts[1] == full and not parts[0] & parts[1]
+    assert "tok_embeddings.weight" in parts[0] and "output.weight" in parts[1] and "norm.weight" in parts[1]
+
+
+PP_LAYOUTS = {
+    "pp2-1f1b": (2, ["--parallel.pp", "2"]),
+    "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.pp_microbatches", "4"]),
+    "pp2-fsdp2": (4, ["--parallel.pp", "2"]),
+    "pp4": (4, ["--parallel.pp", "4", "--model.n_layers", "4"]),
+}
+"""id: (ranks, flags): 1F1B and GPipe over 2 stages, 2 stages x FSDP 2, 4 stages of one block each."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", PP_LAYOUTS)
+def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
+    worker.prefetch([(1, 1, *MHA, "--model.n_layers", "4")]
+                    + [(n, 1, *MHA, "--model.n_layers", "4", *flags) for n, flags in PP_LAYOUTS.values()])
+    n, flags = PP_LAYOUTS[layout]
+    one, other = worker(1, 1, *MHA, "--model.n_layers", "4"), worker(n, 1, *MHA, "--model.n_layers", "4", *flags)
+    assert one["losses"] == pytest.approx(other["losses"], rel=1e-5, abs=0)
+    assert one["grad_norms"] == pytest.approx(other["grad_norms"], rel=1e-5, abs=0)  # every stage's gradients
+    for g1, g2 in zip(one["grads"], other["grads"]):  # rank 0's: the first stage's parameters
+        assert g2 and set(g2) < set(g1) and "tok_embeddings.weight" in g2
+        for name in g2:
+            torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_sigkill_at_pp_2_then_resume_on_1_rank_gives_the_uninterrupted_losses_and_val_loss(tmp_path):
+    args = ["--config", DEBUG, "--train.steps", "6", "--checkpoint.interval", "2", "--train.val_interval", "3",
+            *MHA]
+    ref, rd = tmp_path / "ref", tmp_path / "killed"
+    for d in (ref, rd):
+        prepared_data_dir(d)
+    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(ref))
+    p = spawn(torchrun_command(2, "train_fsdp.py", *args, "--run_dir", str(rd), "--parallel.pp", "2"),
+              tmp_path / "killed.log")
+    wait_for_step(rd, 3, p)
+    kill_tree(p.pid)
+    assert p.wait(timeout=120) != 0, "the run finished before it was killed"
+    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(rd))  # both stages' parameters, whole on 1 rank
+    want, got = losses(ref), losses(rd)
+    assert sorted(got) == list(range(1, 7))
+    assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-5
+
+    def vals(d):
+        return {r["step"]: r["val_loss"] for r in metrics(d) if "val_loss" in r}
+    assert vals(rd).keys() == vals(ref).keys() == {3, 6}
+    assert vals(rd) == pytest.approx(vals(ref), rel=1e-5)  # step 3 validated through the pipeline
+
+
+@pytest.mark.parametrize("world, argv, msg", [
+    (3, ["--parallel.pp", "2"], "world size 3 is not divisible by parallel.pp (2); launch a multiple of 2 processes"),
+    (2, ["--parallel.pp", "2", "--model.n_layers", "1"], "parallel.pp (2) is more than model.n_layers (1): every stage "
+                                                         "needs a block; use parallel.pp <= 1"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_microbatches", "1"], "parallel.pp_microbatches (1) is fewer than "
+                                                                    "parallel.pp (2)"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_microbatches", "3"], "parallel.pp_microbatches (3) does not divide the "
+                                                                    "16 sequences each data-parallel rank runs per "
+                                                                    "step; use one of [2, 4, 8, 16]"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Zippy"], "parallel.pp_schedule 'Zippy' is not a schedule "
+                                                                    "here; use one of 1F1B, GPipe"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"], "runs several stages per rank, which is "
+                                                                              "not built yet"),
+    (2, ["--parallel.pp", "2", "--optim.name", "muon"], "parallel.pp 2 does not run with optim.name muon yet"),
+    (4, ["--parallel.pp", "2", "--parallel.cp", "2"], "parallel.pp 2 does not run with parallel.cp yet"),
+    (2, ["--parallel.pp", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
+     "parallel.pp 2 does not run with model.n_experts yet"),
+    (2, ["--parallel.pp", "0"], "parallel.pp must be >= 1, got 0"),
+])
+def test_bad_pipeline_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys, world, argv, msg):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv], capsys)
+    assert msg in line, line
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_pipeline_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
+                                       "--parallel.pp", "2", *MHA], capsys)
+    assert "parallel.pp 2 does not run with parallel.tp yet (docs/pipeline.md)" in line, line
