@@ -130,9 +130,8 @@ def fit_power(n, loss) -> PowerLaw:
     """L(N) = E + A/N^alpha by least squares on the loss, E >= 0, A >= 0, alpha in [1e-4, 2].
 
     n: non-embedding parameters, loss: nats/token (1-D, same length). Given alpha, E and A are linear least
-    squares; alpha is searched on a grid of 2000 over [0.01, 2], then twice on a 100x finer one around the best.
-    Source of the form: Kaplan et al. 2020 with Hoffmann et al. 2022's irreducible E.
-    Raises ValueError unless the points hold at least 3 distinct sizes (3 parameters).
+    squares; alpha is searched on a grid of 2000 over [0.01, 2], then twice on a 100x finer one around the best
+    (Kaplan et al. 2020's form with Hoffmann et al. 2022's E). ValueError below 3 distinct sizes.
     """
     n, _, loss = _points(n, None, loss)
     _check_power(n)
@@ -281,30 +280,22 @@ def _centred(n: np.ndarray, d: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray
 
 
 def _log_exponents(fg: Callable) -> Callable:
-    """fg over rows (a, b, e, log alpha, log beta) instead of (a, b, e, alpha, beta): the optimiser then keeps both
-    exponents > 0, the law's form (a loss that falls with N and with D). Without it, points from the early-training
-    regime, where the loss falls with D alone, fit a negative alpha whose predictions overflow."""
+    """fg over rows (a, b, e, log alpha, log beta): the optimiser keeps both exponents > 0, the law's form. Without
+    it, early-training points (the loss falling with D alone) fit a negative alpha whose predictions overflow."""
     def wrapped(u: np.ndarray, rows):
         th = _from_log(u)
         f, g = fg(th, rows)
-        g = g.copy()
-        g[:, 3:] *= th[:, 3:]  # d/d log alpha = alpha d/d alpha
-        return f, g
+        return f, np.concatenate([g[:, :3], g[:, 3:] * th[:, 3:]], 1)  # d/d log alpha = alpha d/d alpha
     return wrapped
 
 
 def _to_log(theta: np.ndarray) -> np.ndarray:
-    """Rows (a, b, e, alpha, beta) -> (a, b, e, log alpha, log beta); alpha, beta > 0."""
-    u = theta.copy()
-    u[:, 3:] = np.log(theta[:, 3:])
-    return u
+    return np.concatenate([theta[:, :3], np.log(theta[:, 3:])], 1)
 
 
 def _from_log(u: np.ndarray) -> np.ndarray:
-    """The inverse of _to_log, exponents capped at e^5 (~148: far past any measured law, and no overflow)."""
-    theta = u.copy()
-    theta[:, 3:] = np.exp(np.minimum(u[:, 3:], 5.0))
-    return theta
+    """_to_log's inverse, exponents capped at e^5 (~148: far past any measured law, and no overflow)."""
+    return np.concatenate([u[:, :3], np.exp(np.minimum(u[:, 3:], 5.0))], 1)
 
 
 def _law(theta: np.ndarray, shift: np.ndarray) -> ChinchillaLaw:
