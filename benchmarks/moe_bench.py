@@ -14,13 +14,14 @@ time, and each section prints the command it ran:
   tokens the MoE needs to reach the dense run's final val_loss, linearly interpolated between
   its validation points, over the dense run's tokens (goal <= 0.7); "not reached" when its last
   validation is still above;
-- balance: from the same runs' train records, moe_max_load (the busiest expert's tokens over the
+- balance: from the same runs' train records, and from a run of --balance_steps steps with 8
+  experts on the debug corpus, moe_max_load (the busiest expert's tokens over the
   mean per expert, the largest over the layers): the first step from which its trailing 10-step
   mean stays below 1.3, and its mean over the last 10 steps;
 - step time: benchmarks/bench.py with the dense model and each MoE as variants in one process,
   their steps in turns (paired ratios), on random tokens;
 - EP: this script as a 4-rank torchrun worker (--ep_worker) at parallel.ep 1, 2, 4 with 8
-  experts: each rank's bytes of the experts (parameters, gradients, AdamW state) from the local
+  experts: each rank's bytes of the experts (parameters and AdamW state; gradients as parameters) from the local
   shards, the experts one rank gathers for its compute, and the share of the step's wall time
   spent inside the all-to-alls (dispatch and combine, forward and backward; torch.profiler's
   intervals of the collective and its wait, merged), on gloo over CPU.
@@ -167,6 +168,27 @@ def params(e: int) -> str:
     return f"{total / 1e6:.2f}M" + (f" ({active / 1e6:.2f}M active)" if e else "")
 
 
+def balance_section(args, log) -> tuple[list[str], dict]:
+    """The default balancing on the debug model, 8 experts, --balance_steps steps: moe_max_load per 10-step window."""
+    run_dir = os.path.join(args.workdir, "balance_moe8")
+    data = os.path.join(args.workdir, "stdlib_dense", "data")
+    extra = ["--train.steps", str(args.balance_steps), "--train.val_interval", str(args.balance_steps),
+             "--checkpoint.interval", str(args.balance_steps), *moe_flags(8)]
+    records, seconds, cmd = train(run_dir, extra, data if os.path.isdir(data) else None, log)
+    tr, val = curves(records)
+    first, last_mean, last_max = balance(tr)
+    steps = sorted(tr)
+    windows = [steps[i:i + 10] for i in range(0, len(steps), 10)]
+    lines = ["```", cmd, "```", "",
+             "| steps | " + " | ".join(f"{w[0]}-{w[-1]}" for w in windows) + " |", "|---|" + "---|" * len(windows),
+             "| moe_max_load, mean | " + " | ".join(f"{statistics.fmean(tr[s]['moe_max_load'] for s in w):.2f}"
+                                                 for w in windows) + " |",
+             "| moe_max_load, max | " + " | ".join(f"{max(tr[s]['moe_max_load'] for s in w):.2f}" for w in windows) + " |",
+             "", f"Trailing 10-step mean below {LOAD_GOAL} from step {first or 'never'} on; last 10 steps: mean "
+             f"{last_mean:.2f}, max {last_max:.2f}; val_loss at {steps[-1]}: {val[-1][1]:.4f}; {seconds:.0f} s.", ""]
+    return lines, {"first": first, "last_mean": last_mean, "last_max": last_max, "val_loss": val[-1][1]}
+
+
 # ---------------------------------------------------------------- step time
 
 def step_time_section(args, log) -> tuple[list[str], dict]:
@@ -295,7 +317,8 @@ def main(argv=None) -> None:
     p.add_argument("--prose", default=PROSE, help="the second corpus: local prose files (data.dataset)")
     p.add_argument("--time_steps", type=int, default=10, help="timed steps per model in the step-time section")
     p.add_argument("--ep_steps", type=int, default=3, help="timed steps per ep in the EP section")
-    p.add_argument("--sections", default="tokens,time,ep")
+    p.add_argument("--balance_steps", type=int, default=200, help="steps of the balance run (8 experts, stdlib)")
+    p.add_argument("--sections", default="tokens,balance,time,ep", help="which sections to run, comma-separated")
     p.add_argument("--workdir", default="/tmp/moe_bench")
     args = p.parse_args(argv)
     args.experts = [int(e) for e in args.experts.split(",")]
@@ -312,6 +335,10 @@ def main(argv=None) -> None:
         if "tokens" in sections:
             body, results["tokens"] = tokens_section(args, corpora, log)
             lines += ["## Tokens to loss, and balance", "", *body]
+        if "balance" in sections:
+            body, results["balance"] = balance_section(args, log)
+            lines += [f"## Balance: the default (sigmoid, bias rate 0.01), 8 experts, {args.balance_steps} steps", "",
+                      *body]
         if "time" in sections:
             body, results["time"] = step_time_section(args, log)
             lines += ["## Step time on CPU (1 thread), side by side", "", *body]
