@@ -5,7 +5,10 @@
 Four panels: train and validation loss against tokens seen (any "val_loss/<name>" key as an extra
 dashed line), learning rate, tokens/s and MFU against step; one colour per run. Runs with
 downstream tasks (eval/<task>/acc and acc_norm records) get two more: acc and acc_norm
-against tokens seen, one marker per task. A rollback (train.rollback) is a dotted line at the
+against tokens seen, one marker per task. Mixture-of-experts runs (moe_max_load in their train
+records) get a column of two more against step: the load (the busiest expert's tokens over the
+mean per expert; 1 is even) and the balancing's state (moe_bias_range, and moe_aux_loss on a
+right-hand axis when the run has it). A rollback (train.rollback) is a dotted line at the
 step it went back to, on the loss and LR panels, labelled with the data steps it skipped; an
 update the spike guard skipped is an x on the loss curve. matplotlib is imported only when
 drawing, so `import plot`, read_metrics and marks work without it.
@@ -147,9 +150,20 @@ def _tokens(x: float, _pos=None) -> str:
     return f"{x:.0f}"
 
 
+MOE_KEYS = ("moe_max_load", "moe_bias_range", "moe_aux_loss")
+
+
+def moe_keys(runs: list[tuple[str, list[dict], list[dict]]]) -> list[str]:
+    """The MoE keys of MOE_KEYS that some train record of runs [(label, train, val)] carries with a number, in that
+    order; [] when no run records moe_max_load (dense runs), so draw adds the MoE column only for MoE runs."""
+    present = {k for _, train, _ in runs for r in train for k in MOE_KEYS if _is_number(r.get(k))}
+    return [k for k in MOE_KEYS if k in present] if "moe_max_load" in present else []
+
+
 def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int = 1,
          rollbacks: list[list[dict]] | None = None) -> None:
-    """Write the 2x2 figure of runs [(label, train records, val records)] to out (format from its suffix).
+    """Write the 2x2 figure of runs [(label, train records, val records)] to out (format from its suffix);
+    a column more for downstream tasks, and one for MoE runs (moe_keys).
 
     rollbacks: each run's read_rollbacks records (None: none), marked with its skipped updates (see marks).
 
@@ -163,8 +177,13 @@ def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int =
     from matplotlib.ticker import FuncFormatter
 
     tasks = sorted({k.split("/")[1] for _, _, val in runs for r in val for k in r if k.startswith("eval/")})
-    fig, axes = plt.subplots(2, 3 if tasks else 2, figsize=(18 if tasks else 12, 8), constrained_layout=True)
-    (ax_loss, ax_lr, *ax_acc), (ax_tps, ax_mfu, *ax_norm) = axes
+    moe = moe_keys(runs)
+    cols = 2 + bool(tasks) + bool(moe)
+    fig, axes = plt.subplots(2, cols, figsize=(6 * cols, 8), constrained_layout=True)
+    (ax_loss, ax_lr, *top), (ax_tps, ax_mfu, *bottom) = axes
+    ax_acc, ax_norm = top[:bool(tasks)], bottom[:bool(tasks)]
+    ax_load, ax_bal = (top[-1], bottom[-1]) if moe else (None, None)
+    ax_aux = ax_bal.twinx() if "moe_aux_loss" in moe else None
     markers = "os^Dv<>p"
     for i, (label, train, val) in enumerate(runs):
         color = f"C{i % 10}"
@@ -197,6 +216,11 @@ def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int =
         ax_lr.plot(steps, [r["lr"] for r in train], color=color, label=label)
         ax_tps.plot(steps, [r["tokens_per_sec"] for r in train], color=color, label=label)
         ax_mfu.plot(steps, [100 * r["mfu"] for r in train], color=color, label=label)
+        for key, ax, style in (("moe_max_load", ax_load, "-"), ("moe_bias_range", ax_bal, "-"),
+                               ("moe_aux_loss", ax_aux, "--")):
+            pts = [(r["step"], r[key]) for r in train if _is_number(r.get(key))] if ax is not None else []
+            if pts:
+                ax.plot(*zip(*pts), color=color, ls=style, label=f"{label} {key}")
         for ax, metric in zip(ax_acc + ax_norm, ("acc", "acc_norm")):
             for j, task in enumerate(tasks):
                 pts = [(r["tokens_seen"], 100 * r[key]) for r in val if _is_number(r.get(key := f"eval/{task}/{metric}"))]
@@ -215,6 +239,17 @@ def draw(runs: list[tuple[str, list[dict], list[dict]]], out: str, smooth: int =
         ax.set(title=f"Downstream {metric}", xlabel="tokens seen", ylabel=f"{metric} (%)")
         ax.xaxis.set_major_formatter(FuncFormatter(_tokens))
         ax.legend(fontsize=8, loc="best")
+    if moe:
+        ax_load.axhline(1.0, color="gray", ls=":", lw=1.0, label="even load")
+        ax_load.set(title="MoE load", xlabel="step", ylabel="busiest expert / mean (max over layers)")
+        ax_load.legend(fontsize=8, loc="best")
+        ax_bal.set(title="MoE balancing", xlabel="step",
+                   ylabel="expert bias range (max - min)" if "moe_bias_range" in moe else "")
+        if ax_aux is not None:
+            ax_aux.set_ylabel("aux loss per token (dashed)")
+        handles = [h for ax in (ax_bal, ax_aux) if ax is not None for h in ax.get_legend_handles_labels()[0]]
+        if handles:
+            ax_bal.legend(handles=handles, fontsize=8, loc="best")
     for ax in axes.flat:
         ax.grid(alpha=0.3)
     fig.suptitle(", ".join(label for label, _, _ in runs))

@@ -11,8 +11,10 @@ from launch import refused
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, seed=0.0, tasks=(), events=False):
-    """A metrics.jsonl like the trainer's: n_train train records, a validation record at each of val_steps; events:
+def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, seed=0.0, tasks=(), events=False,
+               moe=False):
+    """A metrics.jsonl like the trainer's: n_train train records, a validation record at each of val_steps; moe: the
+    train records carry an MoE run's moe_max_load, moe_bias_range and moe_aux_loss; events:
     updates skipped at steps 5 (NaN loss) and 7, and rollbacks (steps 14 and 12 back to 10, step 25 back to 0) as the
     trainer leaves them (the train records of the steps trained again are the later ones)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -22,6 +24,8 @@ def _write_run(run_dir, n_train=30, val_steps=(10, 20, 30), extra_val=False, see
         lines.append({"step": step, "loss": loss,
                       "lr": 3e-3 * min(1.0, step / 5), "grad_norm": 1.0, "tokens_per_sec": 3500.0 + 10 * step,
                       "mfu": 0.35, "tokens_seen": 2048 * step, "epoch": 0, "peak_mem_gib": 0.5})
+        if moe:
+            lines[-1].update(moe_max_load=1.1 + 2.8 / step, moe_bias_range=0.01 * min(step, 20), moe_aux_loss=0.02)
         if step in val_steps:
             rec = {"step": step, "val_loss": 8.0 - step / 10, "val_ppl": math.exp(8.0 - step / 10)}
             if extra_val:
@@ -87,6 +91,23 @@ def test_two_runs_make_a_png(tmp_path, capsys):
     image = imread(str(out))
     assert image.ndim == 3 and image.shape[2] in (3, 4) and image.shape[0] >= 400 and image.shape[1] >= 600
     assert image.shape[1] > 1.4 * image.shape[0]  # a third column of panels: downstream acc and acc_norm
+
+
+def test_moe_runs_get_a_load_column_and_dense_runs_do_not(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    dense, moe = _write_run(tmp_path / "dense"), _write_run(tmp_path / "moe", moe=True)
+    assert plot.moe_keys([("dense", *plot.read_metrics(str(dense / "metrics.jsonl")))]) == []
+    both = [(d.name, *plot.read_metrics(str(d / "metrics.jsonl"))) for d in (dense, moe)]
+    assert plot.moe_keys(both) == ["moe_max_load", "moe_bias_range", "moe_aux_loss"]
+    shapes = {}
+    for name, runs in (("dense", both[:1]), ("both", both)):
+        plot.draw(runs, str(tmp_path / f"{name}.png"))
+        shapes[name] = imread(str(tmp_path / f"{name}.png")).shape
+    # The same figure as the dense run's, with a third column of panels (load; bias range and aux loss).
+    assert shapes["both"][0] == shapes["dense"][0]
+    assert shapes["both"][1] == pytest.approx(1.5 * shapes["dense"][1], rel=0.02)
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
