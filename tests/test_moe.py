@@ -261,7 +261,7 @@ def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys,
 
 def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):
     from config import parse_config
-    from core.errors import ConfigError
+    from core.errors import ConfigError, SetupError
     from training.command import check_run
 
     with pytest.raises(ConfigError, match="set --model.n_experts .and --model.experts_per_token., or drop them"):
@@ -270,6 +270,14 @@ def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):
     assert parse_config(["--config", DEBUG]).model.n_experts == 0
     monkeypatch.setenv("WORLD_SIZE", "1")
     check_run(parse_config(["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MOE]), 1)
+    # parallel.ep of a dense model: either printed way passes every check at 2 ranks.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    base = ["--config", DEBUG, "--run_dir", str(tmp_path / "ep"), "--parallel.ep", "2"]
+    with pytest.raises(SetupError, match=r"set --model.n_experts \(a multiple of 2\) or use parallel.ep 1"):
+        check_run(parse_config(base), 2)
+    check_run(parse_config([*base, "--model.n_experts", "2", "--model.experts_per_token", "1"]), 2)
+    check_run(parse_config([*base, "--parallel.ep", "1"]), 2)
 
 
 def test_expert_parallelism_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
