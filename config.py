@@ -287,9 +287,12 @@ def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:
                          f"margin or raise checkpoint.keep")
 
 
-def check_moe(cfg: Config) -> None:
+def check_moe(cfg: Config, world_size: int = 0) -> None:
     """Raise SetupError for what a mixture of experts does not compose with: parallel.ep without experts, or
-    not dividing model.n_experts, or with parallel.tp or parallel.cp > 1; train.float8 (docs/moe.md)."""
+    not dividing model.n_experts, or with parallel.tp or parallel.cp > 1; train.float8 (docs/moe.md).
+
+    world_size (0: unknown): the parallel.ep values offered must also divide its data-parallel shard ranks.
+    """
     m, p = cfg.model, cfg.parallel
     if p.ep > 1 and not m.n_experts:
         raise SetupError(f"parallel.ep {p.ep} splits the experts of a mixture of experts, and model.n_experts is 0 "
@@ -297,7 +300,9 @@ def check_moe(cfg: Config) -> None:
     if not m.n_experts:
         return
     if m.n_experts % p.ep:
-        fits = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0]
+        inner = p.dp_replicate * p.cp * p.tp * p.pp
+        shard = world_size // inner if world_size and world_size % inner == 0 else 0
+        fits = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0 and (not shard or shard % d == 0)]
         raise SetupError(f"parallel.ep ({p.ep}) does not divide model.n_experts ({m.n_experts}): each EP rank holds "
                          f"whole experts, as many as the others; use parallel.ep in {fits}")
     if p.ep > 1 and (p.tp > 1 or p.cp > 1):
@@ -365,7 +370,7 @@ def validate(cfg: Config, world_size: int) -> None:
     rank 0 prints its notice that float8 is only emulated); check_moe's refusals.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
-    check_moe(cfg)
+    check_moe(cfg, world_size)
     check_pipeline_composes(cfg)
     check_layout(cfg.parallel, world_size, local_world_size())
     m = cfg.model
