@@ -145,6 +145,10 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
         args = rung_args(cfg.model, width, depth)
         n = num_params(args, exclude_embedding=True)
         steps = [math.ceil(b * tokens_per_param * n / tokens_per_step) for b in budgets]
+        if max(steps) >= 2 ** 63:  # train.steps is a 64-bit int: no run could be launched, and the plan overflows
+            b = budgets[steps.index(max(steps))]
+            raise ConfigError(f"--budgets {b:g} gives rung {size} {max(steps):.3g} steps, more than train.steps can "
+                              f"hold (2**63 - 1); use smaller budgets")
         if len(set(steps)) < len(steps):
             raise ConfigError(f"--budgets {','.join(f'{b:g}' for b in budgets)} give rung {size} the same steps "
                               f"twice ({', '.join(map(str, steps))}): space the budgets further apart")

@@ -98,6 +98,8 @@ WSD = ["--optim.schedule", "wsd"]
                                                         "checkpoints in its own run directory"),
     ([*TARGET, *RUNGS, "--checkpoint.load_from", "x"], "--checkpoint.load_from: each run of the ladder keeps"),
     ([*TARGET, *WSD, "--rungs", "32x2,64x2,96x2", "--budgets", "1,1.05"], "--budgets 1 and 1.05 are less than 1.1x apart"),
+    ([*TARGET, *WSD, *RUNGS, "--budgets", "1,1e300"], "--budgets 1e+300 gives rung 32x2 "),  # was an OverflowError
+    ([*TARGET, *WSD, *RUNGS, "--budgets", "1,1e15"], "more than train.steps can hold (2**63 - 1); use smaller budgets"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys, argv, msg):
     rc = ladder.main([*argv, "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"])
