@@ -61,14 +61,14 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
     if pp > n_layers:
         raise SetupError(f"parallel.pp ({pp}) is more than model.n_layers ({n_layers}): every stage needs a block; "
                          f"use parallel.pp <= {n_layers}")
+    if microbatches < pp:
+        raise SetupError(f"parallel.pp_microbatches ({microbatches}) is fewer than parallel.pp ({pp}): a stage would "
+                         f"wait the whole step; use parallel.pp_microbatches >= {pp} (4 x pp keeps the bubble small)")
     if local_batch < pp:
         fit = math.lcm(given or pp, micro_batch_size) * dp
         raise SetupError(f"train.global_batch_size gives each data-parallel rank {local_batch} sequence(s) per step, "
                          f"fewer than parallel.pp ({pp}): every stage needs a micro-batch; use "
                          f"train.global_batch_size {fit} or a multiple of it")
-    if microbatches < pp:
-        raise SetupError(f"parallel.pp_microbatches ({microbatches}) is fewer than parallel.pp ({pp}): a stage would "
-                         f"wait the whole step; use parallel.pp_microbatches >= {pp} (4 x pp keeps the bubble small)")
     if local_batch % microbatches:
         fits = [m for m in range(pp, local_batch + 1) if local_batch % m == 0]
         raise SetupError(f"parallel.pp_microbatches ({microbatches}) does not divide the {local_batch} sequences each "
