@@ -287,9 +287,12 @@ def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:
                          f"margin or raise checkpoint.keep")
 
 
-def check_moe(cfg: Config) -> None:
+def check_moe(cfg: Config, world_size: int = 0) -> None:
     """Raise SetupError for what a mixture of experts does not compose with: parallel.ep without experts, or
-    not dividing model.n_experts, or with parallel.tp or parallel.cp > 1; train.float8 (docs/moe.md)."""
+    not dividing model.n_experts, or with parallel.tp or parallel.cp > 1; train.float8 (docs/moe.md).
+
+    world_size (0: unknown): the parallel.ep values offered must also divide its data-parallel shard ranks.
+    """
     m, p = cfg.model, cfg.parallel
     if p.ep > 1 and not m.n_experts:
         raise SetupError(f"parallel.ep {p.ep} splits the experts of a mixture of experts, and model.n_experts is 0 "
@@ -297,7 +300,9 @@ def check_moe(cfg: Config) -> None:
     if not m.n_experts:
         return
     if m.n_experts % p.ep:
-        fits = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0]
+        inner = p.dp_replicate * p.cp * p.tp * p.pp
+        shard = world_size // inner if world_size and world_size % inner == 0 else 0
+        fits = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0 and (not shard or shard % d == 0)]
         raise SetupError(f"parallel.ep ({p.ep}) does not divide model.n_experts ({m.n_experts}): each EP rank holds "
                          f"whole experts, as many as the others; use parallel.ep in {fits}")
     if p.ep > 1 and (p.tp > 1 or p.cp > 1):
@@ -318,23 +323,34 @@ PIPELINE_REFUSED = {
     "model.document_mask": lambda c: c.model.document_mask,
     "train.float8": lambda c: c.train.float8 != "off",
     "[[eval.tasks]]": lambda c: bool(c.eval.tasks),
+    # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.
+    "[[train.batch_stages]]": lambda c: bool(c.train.batch_stages),
 }
 """What pipeline parallelism does not run with yet (docs/pipeline.md's table), by the setting's name."""
 
 
-def check_pipeline(cfg: Config, world_size: int) -> None:
-    """Raise SetupError for parallel.pp > 1 with what it does not run with yet (PIPELINE_REFUSED), or with stages,
-    schedule or micro-batches that cannot work (pipeline.check_pp)."""
+def check_pipeline_composes(cfg: Config) -> None:
+    """Raise SetupError for parallel.pp > 1 with what it does not run with yet (PIPELINE_REFUSED).
+
+    Run before the layout checks, so that their remedy (e.g. more processes for parallel.ep) is
+    not one this refusal then rejects.
+    """
     p = cfg.parallel
-    if p.pp == 1:
-        return
-    refused = [name for name, on in PIPELINE_REFUSED.items() if on(cfg)]
+    refused = [name for name, on in PIPELINE_REFUSED.items() if on(cfg)] if p.pp > 1 else []
     if refused:
         raise SetupError(f"parallel.pp {p.pp} does not run with {', '.join(refused)} yet (docs/pipeline.md); "
                          f"use parallel.pp 1 with them, or drop them")
+
+
+def check_pipeline(cfg: Config, world_size: int) -> None:
+    """Raise SetupError for parallel.pp > 1 with stages, schedule or micro-batches that cannot work
+    (pipeline.check_pp); run after the global batch is known to split over the data-parallel ranks."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        return
     dp = world_size // (p.tp * p.cp * p.pp)
-    for start, g in cfg.train.batch_schedule():
-        check_pp(p.pp, p.pp_schedule, p.pp_microbatches, cfg.model.n_layers, g // max(dp, 1))
+    check_pp(p.pp, p.pp_schedule, p.pp_microbatches, cfg.model.n_layers, t.global_batch_size // max(dp, 1),
+             dp, t.micro_batch_size or 1)
 
 
 def validate(cfg: Config, world_size: int) -> None:
@@ -354,10 +370,10 @@ def validate(cfg: Config, world_size: int) -> None:
     rank 0 prints its notice that float8 is only emulated); check_moe's refusals.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
-    check_moe(cfg)
+    check_moe(cfg, world_size)
+    check_pipeline_composes(cfg)
     check_layout(cfg.parallel, world_size, local_world_size())
     m = cfg.model
-    check_pipeline(cfg, world_size)
     check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
     dp = world_size // (tp * cfg.parallel.cp * cfg.parallel.pp)
     for i, (start, g) in enumerate(t.batch_schedule()):
@@ -369,6 +385,7 @@ def validate(cfg: Config, world_size: int) -> None:
         if g <= 0 or g % (dp * micro):
             raise SetupError(f"{name} ({g}) must be a positive multiple of data-parallel size ({dp}) "
                              f"x train.micro_batch_size ({micro}) = {dp * micro}; change one of them")
+    check_pipeline(cfg, world_size)
     check_rollback_reach(t, cfg.checkpoint)
     device = resolve_device(t.device)
     if cfg.parallel.cpu_offload and device.type != "cuda":

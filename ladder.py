@@ -33,7 +33,7 @@ import subprocess
 import sys
 
 from checkpoint import complete_checkpoints
-from config import Config, parse_config
+from config import Config, check_moe, check_pipeline_composes, parse_config
 from core import cli
 from core.errors import ConfigError, UserError, report
 from model import ModelArgs, num_params
@@ -145,6 +145,10 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
         args = rung_args(cfg.model, width, depth)
         n = num_params(args, exclude_embedding=True)
         steps = [math.ceil(b * tokens_per_param * n / tokens_per_step) for b in budgets]
+        if max(steps) >= 2 ** 63:  # train.steps is a 64-bit int: no run could be launched, and the plan overflows
+            b = budgets[steps.index(max(steps))]
+            raise ConfigError(f"--budgets {b:g} gives rung {size} {max(steps):.3g} steps, more than train.steps can "
+                              f"hold (2**63 - 1); use smaller budgets")
         if len(set(steps)) < len(steps):
             raise ConfigError(f"--budgets {','.join(f'{b:g}' for b in budgets)} give rung {size} the same steps "
                               f"twice ({', '.join(map(str, steps))}): space the budgets further apart")
@@ -157,10 +161,20 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
     return rungs
 
 
-def check_inputs(rungs: list[Rung], launcher: list[str], ladder_dir: str) -> None:
+def check_inputs(rungs: list[Rung], launcher: list[str], ladder_dir: str, cfg: Config | None = None) -> None:
     """ConfigError before anything runs: a size given twice (rungs and checks share run directories), a launcher
     that is not a command, a ladder_dir that is not a local folder this process can create or write (a URL, a file,
-    a read-only or impossible location; rundir.check_local_dir)."""
+    a read-only or impossible location; rundir.check_local_dir); and the trainer's refusals that need no world size
+    (a SetupError), which every run would otherwise meet only once the data is prepared: what parallel.pp or
+    parallel.ep do not run with (config.check_moe, check_pipeline_composes), a rung shallower than parallel.pp."""
+    if cfg is not None:
+        check_moe(cfg)
+        check_pipeline_composes(cfg)
+        shallow = min(rungs, key=lambda r: r.args.n_layers)
+        if cfg.parallel.pp > shallow.args.n_layers:
+            raise ConfigError(f"ladder size {shallow.name}: parallel.pp ({cfg.parallel.pp}) is more than its "
+                              f"{shallow.args.n_layers} layers: every stage needs a block; use parallel.pp <= "
+                              f"{shallow.args.n_layers} or deeper sizes")
     names = [r.name for r in rungs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -377,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             launcher = shlex.split(a.launcher)
         except ValueError as e:  # an unclosed quote
             raise ConfigError(f"--launcher {a.launcher!r} cannot be read as a command ({e}); close its quotes") from None
-        check_inputs(rungs + checks, launcher, a.ladder_dir)
+        check_inputs(rungs + checks, launcher, a.ladder_dir, cfg)
         for flag in ("dir", "load_from"):
             if getattr(cfg.checkpoint, flag):  # every run keeps its own checkpoints; branches load the trunk's
                 raise ConfigError(f"--checkpoint.{flag}: each run of the ladder keeps its checkpoints in its own run "

@@ -20,6 +20,7 @@ stages one after another on the whole batch (``Pipeline.forward_loss``).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -38,16 +39,19 @@ MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZero
 """torch.distributed.pipelining's schedules with several stages per rank: refused until built (docs/pipeline.md)."""
 
 
-def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_batch: int) -> None:
+def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_batch: int, dp: int = 1,
+             micro_batch_size: int = 1) -> None:
     """The PP checks that need no collective; raises SetupError naming the numbers and the fix.
 
     pp stages need at least one block each; the schedule must be one of SCHEDULES; the
     micro-batches must be at least pp (fewer leave a stage idle for the whole step; 1F1B needs
-    them) and divide local_batch, the sequences each data-parallel rank runs per step.
+    them) and divide local_batch, the sequences each data-parallel rank runs per step; a
+    local_batch below pp is refused naming train.global_batch_size (dp data-parallel ranks, the
+    loader's train.micro_batch_size sequences at a time) and the smallest batch that works.
     """
     if pp == 1:
         return
-    microbatches = microbatches or default_microbatches(pp, local_batch)
+    given, microbatches = microbatches, microbatches or default_microbatches(pp, local_batch)
     if schedule in MULTI_STAGE:
         raise SetupError(f"parallel.pp_schedule {schedule} runs several stages per rank, which is not built yet "
                          f"(docs/pipeline.md); use one of {', '.join(SCHEDULES)}")
@@ -60,6 +64,11 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
     if microbatches < pp:
         raise SetupError(f"parallel.pp_microbatches ({microbatches}) is fewer than parallel.pp ({pp}): a stage would "
                          f"wait the whole step; use parallel.pp_microbatches >= {pp} (4 x pp keeps the bubble small)")
+    if local_batch < pp:
+        fit = math.lcm(given or pp, micro_batch_size) * dp
+        raise SetupError(f"train.global_batch_size gives each data-parallel rank {local_batch} sequence(s) per step, "
+                         f"fewer than parallel.pp ({pp}): every stage needs a micro-batch; use "
+                         f"train.global_batch_size {fit} or a multiple of it")
     if local_batch % microbatches:
         fits = [m for m in range(pp, local_batch + 1) if local_batch % m == 0]
         raise SetupError(f"parallel.pp_microbatches ({microbatches}) does not divide the {local_batch} sequences each "

@@ -98,6 +98,14 @@ WSD = ["--optim.schedule", "wsd"]
                                                         "checkpoints in its own run directory"),
     ([*TARGET, *RUNGS, "--checkpoint.load_from", "x"], "--checkpoint.load_from: each run of the ladder keeps"),
     ([*TARGET, *WSD, "--rungs", "32x2,64x2,96x2", "--budgets", "1,1.05"], "--budgets 1 and 1.05 are less than 1.1x apart"),
+    ([*TARGET, *WSD, *RUNGS, "--budgets", "1,1e300"], "--budgets 1e+300 gives rung 32x2 "),  # was an OverflowError
+    ([*TARGET, *WSD, *RUNGS, "--budgets", "1,1e15"], "more than train.steps can hold (2**63 - 1); use smaller budgets"),
+    ([*TARGET, "--rungs", "32x4,64x2,96x4,128x4", "--parallel.pp", "4"],  # each run was refused after the data
+     "ladder size 64x2: parallel.pp (4) is more than its 2 layers: every stage needs a block; use parallel.pp <= 2"),
+    ([*TARGET, *RUNGS, "--model.n_experts", "4", "--model.experts_per_token", "2", "--parallel.ep", "3"],
+     "parallel.ep (3) does not divide model.n_experts (4)"),
+    ([*TARGET, *RUNGS, "--parallel.pp", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
+     "parallel.pp 2 does not run with model.n_experts yet"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys, argv, msg):
     rc = ladder.main([*argv, "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"])
@@ -111,6 +119,17 @@ def test_the_schedule_remedy_is_accepted_as_printed(tmp_path, capsys):
     line = refused(ladder.main, [*argv, "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"], capsys)
     fix = re.search(r"set (--optim\.schedule \S+)", line).group(1).split()
     ladder.check_form(4, [0.5, 1], parse_config([*TARGET, *fix]))  # accepted: no error
+
+
+def test_the_pipeline_depth_remedy_is_accepted_as_printed(tmp_path, monkeypatch, capsys):
+    argv = [*TARGET, "--rungs", "32x4,64x2,96x4,128x4", "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"]
+    line = refused(ladder.main, [*argv, "--parallel.pp", "4"], capsys)
+    pp = re.search(r"use parallel\.pp <= (\d+)", line).group(1)
+
+    def prepared(*args):  # every check passed: the ladder goes on to tokenize the data
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ladder, "prepare", prepared)
+    assert ladder.main([*argv, "--parallel.pp", pp]) == 130
 
 
 @pytest.mark.parametrize("ladder_dir, msg", [

@@ -3,6 +3,7 @@ both balancing methods against a skewed router, Muon per expert, active paramete
 combinations that are refused until they are built."""
 import hashlib
 import os
+import re
 import shutil
 from unittest import mock
 
@@ -241,7 +242,7 @@ def test_muon_orthogonalises_each_expert_on_its_own():
                              "(dense); set --model.n_experts (a multiple of 2) or use parallel.ep 1"),
     (["--model.n_experts", "3", "--model.experts_per_token", "1", "--parallel.ep", "2"],
      "parallel.ep (2) does not divide model.n_experts (3): each EP rank holds whole experts, as many as the others; "
-     "use parallel.ep in [1, 3]"),
+     "use parallel.ep in [1]"),  # 3 divides the experts but not the 2 ranks
     ([*MOE, "--parallel.ep", "4"], "parallel.ep (4) does not divide the 2 data-parallel shard rank(s) (world size 2 "
                                    "/ (dp_replicate 1 x cp 1 x tp 1)) that expert parallelism splits; use parallel.ep "
                                    "in [1, 2] or launch a multiple of 4 processes"),
@@ -257,6 +258,23 @@ def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys,
         line = refused(train_fsdp.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv], capsys)
     assert msg in line, line
     assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("world, argv", [
+    (2, ["--model.n_experts", "3", "--model.experts_per_token", "1", "--parallel.ep", "2"]),
+    (4, ["--model.n_experts", "6", "--model.experts_per_token", "1", "--parallel.ep", "4"]),
+    (2, [*MOE, "--parallel.ep", "4"]),
+])
+def test_every_expert_parallel_size_offered_is_accepted_as_printed(tmp_path, monkeypatch, capsys, world, argv):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    base = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv]
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, base, capsys)
+        offered = re.search(r"use parallel\.ep in \[([\d, ]+)\]", line).group(1).split(", ")
+        for ep in offered:
+            with pytest.raises(AssertionError, match="a collective started"):  # every check passed
+                train_fsdp.main([*base, "--parallel.ep", ep])
 
 
 def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):

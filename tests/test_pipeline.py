@@ -1,6 +1,7 @@
 """Pipeline parallelism (parallel/pipeline.py): stages against one process (losses, clipped norm, gradients), a
 checkpoint written at pp 2 resumed on 1 rank, the layer split, and what is refused before any collective."""
 import os
+import re
 from unittest import mock
 
 import pytest
@@ -113,6 +114,14 @@ def test_sigkill_at_pp_2_then_resume_on_1_rank_gives_the_uninterrupted_losses_an
     (2, ["--parallel.pp", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
      "parallel.pp 2 does not run with model.n_experts yet"),
     (2, ["--parallel.pp", "0"], "parallel.pp must be >= 1, got 0"),
+    (2, ["--parallel.pp", "2", "--train.global_batch_size", "1"], "train.global_batch_size gives each data-parallel "
+                                                                   "rank 1 sequence(s) per step, fewer than "
+                                                                   "parallel.pp (2): every stage needs a micro-batch; "
+                                                                   "use train.global_batch_size 2 or a multiple of it"),
+    (4, ["--parallel.pp", "2", "--train.global_batch_size", "15", "--parallel.pp_microbatches", "2"],
+     "train.global_batch_size (15) must be a positive multiple of data-parallel size (2)"),
+    (2, ["--parallel.pp", "2", "--parallel.ep", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
+     "parallel.pp 2 does not run with model.n_experts yet"),
 ])
 def test_bad_pipeline_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys, world, argv, msg):
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -120,6 +129,38 @@ def test_bad_pipeline_settings_are_refused_in_one_line(tmp_path, monkeypatch, ca
     with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
         line = refused(train_fsdp.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv], capsys)
     assert msg in line, line
+    assert not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("world, argv", [
+    (2, ["--parallel.pp", "2", "--train.global_batch_size", "1"]),
+    (4, ["--parallel.pp", "2", "--train.global_batch_size", "2", "--parallel.pp_microbatches", "3"]),
+    (4, ["--parallel.pp", "4", "--model.n_layers", "4", "--train.global_batch_size", "3",
+         "--train.micro_batch_size", "3"]),
+])
+def test_the_global_batch_remedy_under_pp_is_accepted_as_printed(tmp_path, monkeypatch, capsys, world, argv):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    base = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MHA, *argv]
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, base, capsys)
+        fix = re.search(r"use (train\.global_batch_size \d+)", line).group(1).split()
+        with pytest.raises(AssertionError, match="a collective started"):  # every check passed
+            train_fsdp.main([*base, "--" + fix[0], fix[1]])
+
+
+def test_pipeline_with_batch_stages_is_refused_before_it_aborts_at_the_first_larger_batch(tmp_path, monkeypatch,
+                                                                                          capsys):
+    # Launched, this ran step 1 and then aborted in gloo ("Received data size doesn't match expected size"):
+    # the stages' receive buffers keep the first step's micro-batch.
+    config = tmp_path / "stages.toml"
+    config.write_text(open(DEBUG).read() + "\n[[train.batch_stages]]\nstart_step = 1\nglobal_batch_size = 32\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        line = refused(train_fsdp.main, ["--config", str(config), "--run_dir", str(tmp_path / "run"),
+                                         "--parallel.pp", "2", *MHA], capsys)
+    assert "parallel.pp 2 does not run with [[train.batch_stages]] yet (docs/pipeline.md)" in line, line
     assert not os.path.exists(tmp_path / "run")
 
 
