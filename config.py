@@ -33,10 +33,10 @@ from observability.metrics import MetricsConfig, check_metrics
 from observability.profiling import parse_steps
 from optimization.optimizers import OptimConfig
 from parallel import float8
+from parallel.compose import check_moe, check_pipeline, check_pipeline_composes
 from parallel.context_parallel import check_cp_layout
 from parallel.distributed import local_world_size, resolve_device
 from parallel.parallelize import ParallelConfig, check_layout
-from parallel.pipeline import check_pp
 from storage.fs import check_location, is_url
 from storage.rundir import RunDir, check_local_dir
 
@@ -285,72 +285,6 @@ def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:
                          f"(rollback_margin + rollback_after - 1), but checkpoint.keep {ckpt.keep} x "
                          f"checkpoint.interval {ckpt.interval} keeps as few as {ckpt.keep * ckpt.interval}; lower the "
                          f"margin or raise checkpoint.keep")
-
-
-def check_moe(cfg: Config, world_size: int = 0) -> None:
-    """Raise SetupError for what a mixture of experts does not compose with: parallel.ep without experts, or
-    not dividing model.n_experts, or with parallel.tp or parallel.cp > 1; train.float8 (docs/moe.md).
-
-    world_size (0: unknown): the parallel.ep values offered must also divide its data-parallel shard ranks.
-    """
-    m, p = cfg.model, cfg.parallel
-    if p.ep > 1 and not m.n_experts:
-        raise SetupError(f"parallel.ep {p.ep} splits the experts of a mixture of experts, and model.n_experts is 0 "
-                         f"(dense); set --model.n_experts (a multiple of {p.ep}) or use parallel.ep 1")
-    if not m.n_experts:
-        return
-    if m.n_experts % p.ep:
-        inner = p.dp_replicate * p.cp * p.tp * p.pp
-        shard = world_size // inner if world_size and world_size % inner == 0 else 0
-        fits = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0 and (not shard or shard % d == 0)]
-        raise SetupError(f"parallel.ep ({p.ep}) does not divide model.n_experts ({m.n_experts}): each EP rank holds "
-                         f"whole experts, as many as the others; use parallel.ep in {fits}")
-    if p.ep > 1 and (p.tp > 1 or p.cp > 1):
-        other = f"parallel.tp {p.tp}" if p.tp > 1 else f"parallel.cp {p.cp}"
-        raise SetupError(f"parallel.ep {p.ep} does not run with {other} yet (docs/moe.md); use parallel.ep 1 with "
-                         f"{other}, or parallel.ep with FSDP or HSDP")
-    if cfg.train.float8 != "off":
-        raise SetupError(f"model.n_experts {m.n_experts} (mixture of experts) does not run with train.float8 "
-                         f"{cfg.train.float8} yet (docs/moe.md); use train.float8 off or train a dense model")
-
-
-PIPELINE_REFUSED = {
-    "parallel.tp": lambda c: c.parallel.tp > 1,
-    "parallel.cp": lambda c: c.parallel.cp > 1,
-    "model.n_experts": lambda c: c.model.n_experts > 0,
-    "optim.name muon": lambda c: c.optim.name == "muon",
-    "train.loss_chunk_size": lambda c: c.train.loss_chunk_size > 0,
-    "model.document_mask": lambda c: c.model.document_mask,
-    "train.float8": lambda c: c.train.float8 != "off",
-    "[[eval.tasks]]": lambda c: bool(c.eval.tasks),
-    # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.
-    "[[train.batch_stages]]": lambda c: bool(c.train.batch_stages),
-}
-"""What pipeline parallelism does not run with yet (docs/pipeline.md's table), by the setting's name."""
-
-
-def check_pipeline_composes(cfg: Config) -> None:
-    """Raise SetupError for parallel.pp > 1 with what it does not run with yet (PIPELINE_REFUSED).
-
-    Run before the layout checks, so that their remedy (e.g. more processes for parallel.ep) is
-    not one this refusal then rejects.
-    """
-    p = cfg.parallel
-    refused = [name for name, on in PIPELINE_REFUSED.items() if on(cfg)] if p.pp > 1 else []
-    if refused:
-        raise SetupError(f"parallel.pp {p.pp} does not run with {', '.join(refused)} yet (docs/pipeline.md); "
-                         f"use parallel.pp 1 with them, or drop them")
-
-
-def check_pipeline(cfg: Config, world_size: int) -> None:
-    """Raise SetupError for parallel.pp > 1 with stages, schedule or micro-batches that cannot work
-    (pipeline.check_pp); run after the global batch is known to split over the data-parallel ranks."""
-    p, t = cfg.parallel, cfg.train
-    if p.pp == 1:
-        return
-    dp = world_size // (p.tp * p.cp * p.pp)
-    check_pp(p.pp, p.pp_schedule, p.pp_microbatches, cfg.model.n_layers, t.global_batch_size // max(dp, 1),
-             dp, t.micro_batch_size or 1)
 
 
 def validate(cfg: Config, world_size: int) -> None:

@@ -4,20 +4,11 @@
         [--tokens_per_param 20] [--flops C] [--target] [--ladder_dir runs/ladder]
         [--launcher "torchrun --standalone --nproc_per_node=8"] [--section.field VALUE ...]
 
-TARGET.toml is the run to predict, under model.parametrization mup or completep, so each rung trains
-with the same optim.lr. A rung WIDTHxDEPTH is the target's shape at that dim and n_layers (head_dim,
-the kv-head and ffn ratios kept); at budget B it trains ceil(B x tokens_per_param x N /
-(global_batch_size x seq_len)) steps, N its non-embedding parameters, after the target's warmup as
-the same fraction of its budget-1 steps. One budget (the default): each rung is one plain run
-ladder_dir/rung_WxD, and L(N) = E + A/N^alpha is fitted. Several (under optim.schedule wsd): each rung
-trains one trunk (rung_WxD/trunk) at constant LR, in segments that end with a checkpoint where each
-budget's WSD decay begins; each budget is a cooldown branch rung_WxD/budget_B that loads that
-checkpoint and decays to its end, as a run given that schedule from the start does (4 budgets cost
-about 1.2x the longest run), and L(N, D) = E + A/N^alpha + B/D^beta is fitted (scaling/law.py). Every
-run directory is ordinary: a finished one is skipped, an interrupted one resumes. The data is prepared
-once into ladder_dir/data. Every prediction has a 90% bootstrap interval; --check sizes train at
-budget 1 outside the fit; a backtest predicts each rung from the smaller ones; --flops C (--target:
-the target's own 6 N D) plans the compute-optimal N and D. Output: ladder.md, ladder.json, ladder.png.
+TARGET.toml is the run to predict, under model.parametrization mup or completep (each rung trains with
+its optim.lr). A rung WIDTHxDEPTH is the target's shape at that dim and n_layers. With one budget each
+rung is one run and L(N) is fitted; with several, each rung trains one constant-LR trunk and a WSD
+cooldown branch per budget, and L(N, D) is fitted (scaling/law.py). Every run directory is ordinary
+(finished: skipped; interrupted: resumed); the data is prepared once. docs/transfer.md tells the rest.
 """
 from __future__ import annotations
 
@@ -33,12 +24,13 @@ import subprocess
 import sys
 
 from checkpoint import complete_checkpoints
-from config import Config, check_moe, check_pipeline_composes, parse_config
+from config import Config, parse_config
 from core import cli
 from core.errors import ConfigError, UserError, report
 from model import ModelArgs, num_params
 from observability.progress import duration
 from optimization.optimizers import OptimConfig, decayed
+from parallel.compose import check_moe, check_pipeline_composes
 from prepare import prepare
 from scaling import report as ladder_report
 from scaling.law import SAME_RATIO, check_points
