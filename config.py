@@ -309,7 +309,7 @@ def validate(cfg: Config, world_size: int) -> None:
     check_layout(cfg.parallel, world_size, local_world_size())
     m = cfg.model
     check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
-    dp = world_size // (tp * cfg.parallel.cp * cfg.parallel.pp)
+    dp = cfg.parallel.data_parallel(world_size)
     for i, (start, g) in enumerate(t.batch_schedule()):
         name = "train.global_batch_size" if i == 0 else f"train.batch_stages[{i - 1}].global_batch_size"
         micro = t.micro_batch(dp, start)

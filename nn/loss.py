@@ -182,8 +182,16 @@ def token_loss_sums(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.
             return chunked_cross_entropy_sum(hidden.flatten(0, 1), output.weight, labels.flatten(), chunk_size, z_loss)
 
         return LossSums(*model(inputs, head=head, **kw))
-    logits = model(inputs, **kw)
+    return logits_loss_sums(model(inputs, **kw), labels, z_loss)
+
+
+def logits_loss_sums(logits: torch.Tensor, labels: torch.Tensor, z_loss: float = 0.0) -> LossSums:
+    """token_loss_sums of logits already computed: logits (batch, seq, vocab) fp32 (a vocabulary-sharded DTensor
+    under loss_parallel), labels (batch, seq) int64. The objective is the summed cross-entropy, plus z_loss times
+    the summed logsumexp^2 (ST-MoE's z-loss, Zoph et al. 2022) when z_loss is not 0."""
     ce = scalar(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+    if not z_loss:
+        return LossSums(ce, torch.zeros((), device=ce.device))
     z_sum = logsumexp(logits).square().sum()
     return LossSums(ce + z_loss * z_sum, z_sum.detach())
 

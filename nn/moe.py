@@ -97,6 +97,11 @@ class SharedExperts(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """model's MoE feed-forwards, in module order (layer order); [] for a dense model."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
 class MoE(nn.Module):
     """The MoE feed-forward: x (batch, seq, dim) -> (batch, seq, dim), with ``aux_loss`` and ``counts`` recorded.
 

@@ -23,7 +23,7 @@ def check_moe(cfg, world_size: int = 0) -> None:
         return
     if m.n_experts % p.ep:
         inner = p.dp_replicate * p.cp * p.tp * p.pp
-        shard = world_size // inner if world_size and world_size % inner == 0 else 0
+        shard = p.data_parallel(world_size) // p.dp_replicate if world_size and world_size % inner == 0 else 0
         fits = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0 and (not shard or shard % d == 0)]
         raise SetupError(f"parallel.ep ({p.ep}) does not divide model.n_experts ({m.n_experts}): each EP rank holds "
                          f"whole experts, as many as the others; use parallel.ep in {fits}")
@@ -70,6 +70,6 @@ def check_pipeline(cfg, world_size: int) -> None:
     p, t = cfg.parallel, cfg.train
     if p.pp == 1:
         return
-    dp = world_size // (p.tp * p.cp * p.pp)
+    dp = p.data_parallel(world_size)
     check_pp(p.pp, p.pp_schedule, p.pp_microbatches, cfg.model.n_layers, t.global_batch_size // max(dp, 1),
              dp, t.micro_batch_size or 1)

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from nn.moe import MoE, swiglu_experts
+from nn.moe import moe_layers, swiglu_experts
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -85,7 +85,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     On the meta device, before FSDP (no communication: init_weights fills the shards later).
     """
     ep = ep_mesh.size()
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+    for moe in moe_layers(model):
         experts = moe.experts
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)
@@ -99,5 +99,5 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> None:
     Dim 1 (expert_ffn_dim for w1/w3, dim for w2), not 0, which EP already splits: DTensor then
     needs no strided placement. Call before fully_shard of the blocks, which then leave them out.
     """
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+    for moe in moe_layers(model):
         fully_shard(moe.experts, mesh=mesh, shard_placement_fn=lambda p: Shard(1), **fsdp_kwargs)

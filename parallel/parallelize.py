@@ -61,6 +61,10 @@ class ParallelConfig:
     pp_microbatches: int = 0
     """Micro-batches each data-parallel rank's share of the step is split into for the pipeline (>= pp, dividing that share); 0: the largest divisor of the share up to 4 x pp. They replace train.micro_batch_size's gradient accumulation."""
 
+    def data_parallel(self, world_size: int) -> int:
+        """The data-parallel ranks of world_size processes: world / (pp x cp x tp) (HSDP's replicas included)."""
+        return world_size // (self.tp * self.cp * self.pp)
+
     def __post_init__(self) -> None:
         if self.pp < 1:
             raise ConfigError(f"parallel.pp must be >= 1, got {self.pp}")
@@ -94,7 +98,7 @@ def check_layout(cfg: ParallelConfig, world_size: int, local_world_size: int) ->
         what = " x ".join(parts) if parts else "parallel.tp"
         raise SetupError(f"world size {world_size} is not divisible by {what} ({inner}); launch a multiple of "
                          f"{inner} processes or change {what}")
-    dp = world_size // inner
+    dp = cfg.data_parallel(world_size)
     if dp % rep:
         fix = f"use a divisor of {dp} (the number of nodes is usual)" if dp > 1 else "use parallel.dp_replicate 1"
         div = f"parallel.tp {tp}" if cp == 1 else f"(parallel.cp {cp} x parallel.tp {tp})"

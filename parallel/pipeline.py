@@ -24,14 +24,13 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from core.errors import SetupError
 from model import Transformer
-from nn.loss import logsumexp
+from nn.loss import logits_loss_sums
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 """The schedules run here, by torch.distributed.pipelining's names: one stage per rank."""
@@ -131,10 +130,10 @@ class Pipeline:
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """The schedule's loss_fn on the last stage: logits (mb, seq, vocab) fp32, labels (mb, seq) -> the objective
         of the micro-batch times scale; its token cross-entropy and logsumexp^2 sums are appended to sums."""
-        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-        z = logsumexp(logits).square().sum() if self.z_loss else torch.zeros_like(ce)
-        self.sums.append(torch.stack([ce.detach(), z.detach()]))
-        return (ce + self.z_loss * z) * self.scale
+        objective, z_sum = logits_loss_sums(logits, labels, self.z_loss)
+        # The cross-entropy as training/step.py's forward_backward logs it: the objective less the z term.
+        self.sums.append(torch.stack([objective.detach() - self.z_loss * z_sum, z_sum]))
+        return objective * self.scale
 
     def forward_backward(self, micro_batches, n_targets: int, dp_size: int, device) -> tuple[Tensor, Tensor]:
         """training/step.forward_backward under PP: this data-parallel rank's micro-batches joined, run through the
@@ -170,7 +169,7 @@ class Pipeline:
         if not self.is_last:
             dist.send(out.contiguous(), group=self.group, group_dst=self.stage + 1)
             return torch.zeros((), device=inputs.device)
-        return F.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum")
+        return logits_loss_sums(out, labels).objective
 
 
 def default_microbatches(pp: int, local_batch: int) -> int:

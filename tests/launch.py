@@ -9,9 +9,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from unittest import mock
 
 import prepare
 from config import parse_config
+from parallel import distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "debug.toml")
@@ -155,6 +158,16 @@ def prepared_data_dir(dest) -> None:
         cfg = parse_config(["--config", DEBUG])
         prepare.prepare(cfg.data, cache)
     shutil.copytree(cache, os.path.join(str(dest), "data"), dirs_exist_ok=True)
+
+
+@contextmanager
+def before_any_collective(monkeypatch, world: int):
+    """As a rank of world processes (WORLD_SIZE and LOCAL_WORLD_SIZE) that must not start torch.distributed:
+    init_distributed raises AssertionError('a collective started'), where a command that passed every check ends."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+        yield
 
 
 def refused(main, argv, capsys) -> str:

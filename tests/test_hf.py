@@ -16,7 +16,7 @@ import hf
 from config import parse_config
 from data_pipeline import tokenizer
 from debug_export import debug_run_dir, exported_dir
-from launch import DEBUG, ROOT, debug_run, losses, metrics, prepared_data_dir, torchrun
+from launch import DEBUG, ROOT, before_any_collective, debug_run, losses, metrics, prepared_data_dir, torchrun
 from model import PRESETS, ModelArgs, Transformer
 from models import random_model
 
@@ -196,11 +196,9 @@ def test_init_from_hf_of_another_model_names_the_flags_and_they_fit(tmp_path, to
     """--init_from_hf of an MoE export into the dense debug run: one line naming every --model.* value to set (the
     experts' included), before any collective, nothing created; those flags, as printed, pass every check. The
     reverse (an MoE run, a dense folder): drop the expert flags, as printed."""
-    from unittest import mock
 
     import train_fsdp
     from launch import refused
-    from parallel import distributed
     from training.command import check_run
 
     args = ModelArgs(**{**GQA, **MOE, "moe_score": "softmax"})
@@ -208,7 +206,7 @@ def test_init_from_hf_of_another_model_names_the_flags_and_they_fit(tmp_path, to
     hf.save_hf(random_model(ModelArgs(**GQA)).state_dict(), ModelArgs(**GQA), tok_path, str(tmp_path / "dense"))
     monkeypatch.setenv("WORLD_SIZE", "1")
     run = ["--config", DEBUG, "--run_dir", str(tmp_path / "run")]
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, 1):
         line = refused(train_fsdp.main, [*run, "--init_from_hf", str(tmp_path / "mixtral")], capsys)
     assert not os.path.exists(tmp_path / "run")
     assert "is another model shape; set --model.dim 64 (config has 128), " in line and \
@@ -220,7 +218,7 @@ def test_init_from_hf_of_another_model_names_the_flags_and_they_fit(tmp_path, to
 
     expert = ("--model.n_experts", "--model.experts_per_token", "--model.expert_ffn_dim", "--model.moe_score")
     dense_flags = [w for pair in pairs if pair[0] not in expert for w in pair]
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, 1):
         line = refused(train_fsdp.main, [*run, *flags, "--init_from_hf", str(tmp_path / "dense")], capsys)
     assert line.endswith("is a dense Llama, and this run's model.n_experts is 4; drop --model.n_experts and the other "
                          "expert options, and set --model.ffn_dim 96 (config has 384)"), line

@@ -16,6 +16,7 @@ import train_2d
 import train_fsdp
 from launch import (
     DEBUG,
+    before_any_collective,
     debug_run,
     kill_tree,
     losses,
@@ -30,7 +31,6 @@ from launch import (
 from model import ModelArgs, Transformer, flops_per_token, num_params
 from nn.moe import MoE
 from optimization.muon import MuonAdamW
-from parallel import distributed
 from test_muon import newton_schulz_reference
 from test_parametrization import LEGACY, LEGACY_FLAGS
 from training.step import MoEStats
@@ -252,9 +252,7 @@ def test_muon_orthogonalises_each_expert_on_its_own():
     ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf: '/nonexistent' is not a directory"),
 ])
 def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys, argv, msg):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, 2):
         line = refused(train_fsdp.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv], capsys)
     assert msg in line, line
     assert not os.path.exists(tmp_path / "run")
@@ -266,10 +264,8 @@ def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys,
     (2, [*MOE, "--parallel.ep", "4"]),
 ])
 def test_every_expert_parallel_size_offered_is_accepted_as_printed(tmp_path, monkeypatch, capsys, world, argv):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
     base = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv]
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, world):
         line = refused(train_fsdp.main, base, capsys)
         offered = re.search(r"use parallel\.ep in \[([\d, ]+)\]", line).group(1).split(", ")
         for ep in offered:
@@ -299,9 +295,7 @@ def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):
 
 
 def test_expert_parallelism_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, 4):
         line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
                                        "--parallel.ep", "2", *MOE], capsys)
     assert "parallel.ep 2 does not run with parallel.tp 2 yet (docs/moe.md); use parallel.ep 1 with parallel.tp 2, " \

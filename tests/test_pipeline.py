@@ -2,7 +2,6 @@
 checkpoint written at pp 2 resumed on 1 rank, the layer split, and what is refused before any collective."""
 import os
 import re
-from unittest import mock
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import train_2d
 import train_fsdp
 from launch import (
     DEBUG,
+    before_any_collective,
     kill_tree,
     losses,
     metrics,
@@ -22,7 +22,6 @@ from launch import (
     wait_for_step,
 )
 from model import ModelArgs, Transformer
-from parallel import distributed
 from parallel.pipeline import PassThrough, prune, stage_layers
 
 MHA = ["--model.n_kv_heads", "4"]
@@ -124,9 +123,7 @@ def test_sigkill_at_pp_2_then_resume_on_1_rank_gives_the_uninterrupted_losses_an
      "parallel.pp 2 does not run with model.n_experts yet"),
 ])
 def test_bad_pipeline_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys, world, argv, msg):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, world):
         line = refused(train_fsdp.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *argv], capsys)
     assert msg in line, line
     assert not os.path.exists(tmp_path / "run")
@@ -139,10 +136,8 @@ def test_bad_pipeline_settings_are_refused_in_one_line(tmp_path, monkeypatch, ca
          "--train.micro_batch_size", "3"]),
 ])
 def test_the_global_batch_remedy_under_pp_is_accepted_as_printed(tmp_path, monkeypatch, capsys, world, argv):
-    monkeypatch.setenv("WORLD_SIZE", str(world))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
     base = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MHA, *argv]
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, world):
         line = refused(train_fsdp.main, base, capsys)
         fix = re.search(r"use (train\.global_batch_size \d+)", line).group(1).split()
         with pytest.raises(AssertionError, match="a collective started"):  # every check passed
@@ -155,9 +150,7 @@ def test_pipeline_with_batch_stages_is_refused_before_it_aborts_at_the_first_lar
     # the stages' receive buffers keep the first step's micro-batch.
     config = tmp_path / "stages.toml"
     config.write_text(open(DEBUG).read() + "\n[[train.batch_stages]]\nstart_step = 1\nglobal_batch_size = 32\n")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, 2):
         line = refused(train_fsdp.main, ["--config", str(config), "--run_dir", str(tmp_path / "run"),
                                          "--parallel.pp", "2", *MHA], capsys)
     assert "parallel.pp 2 does not run with [[train.batch_stages]] yet (docs/pipeline.md)" in line, line
@@ -165,9 +158,7 @@ def test_pipeline_with_batch_stages_is_refused_before_it_aborts_at_the_first_lar
 
 
 def test_pipeline_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
+    with before_any_collective(monkeypatch, 4):
         line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
                                        "--parallel.pp", "2", *MHA], capsys)
     assert "parallel.pp 2 does not run with parallel.tp yet (docs/pipeline.md)" in line, line

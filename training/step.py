@@ -19,18 +19,13 @@ from checkpoint import TrainState
 from config import Config, compute_dtype
 from model import Transformer
 from nn.loss import applied_chunk_size, loss_context, token_loss_sums
-from nn.moe import MoE
+from nn.moe import MoE, moe_layers
 from optimization.optimizers import build_optimizer
 from optimization.spike import push, spike_reason
 from parallel import distributed, float8
 from parallel.context_parallel import shard_batch
 from parallel.parallelize import TPPlan, build_model, dp_mesh, loss_mesh
 from parallel.pipeline import Pipeline, build_pipeline, default_microbatches
-
-
-def moe_layers(model: torch.nn.Module) -> list[MoE]:
-    """The model's MoE feed-forwards (nn/moe.py), in layer order; [] for a dense model."""
-    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 @dataclasses.dataclass
