@@ -13,6 +13,10 @@ Checks (each prints one PASS/FAIL line with its figures), in this order (CHECKS)
             without train.loss_chunk_size; loss equal within 1e-4 relative
   cp        (2 GPUs; skipped on one) the debug model with document_mask, fp32, 4 steps on 1 GPU vs
             cp 2 (Ulysses over NCCL, FlexAttention over the whole sequence): losses within 1e-4 relative
+  pp        (2 GPUs; skipped on one) the debug model, 4 layers, fp32, 4 steps on 1 GPU vs pp 2 under 1F1B and
+            GPipe (activations and gradients sent over NCCL): losses within 1e-4 relative
+  ep        (2 GPUs; skipped on one) an MoE debug model (4 experts, top-2), fp32, 4 steps on 1 GPU vs ep 2
+            (all-to-all over NCCL): losses within 1e-4 relative
   offload   two fp32 steps with parallel.cpu_offload vs without, gradient clipping acting
             (pytorch#148532): losses and gradient norms within 1e-4 relative, parameters on CPU
   float8    two bf16 steps of a 1024-dim model with train.float8 tensorwise and rowwise vs bf16:
@@ -229,6 +233,10 @@ CHECKS: list[Check] = [
                                f"{CHUNK} vs none", lambda c: check_chunked(c.device)),
     Check("cp", lambda a: "cp: debug model, document_mask, fp32, 4 steps: train_fsdp.py on 1 GPU vs --parallel.cp 2 "
                           "on 2 GPUs (skipped with fewer)", lambda c: gpu_train_checks.check_cp()),
+    Check("pp", lambda a: "pp: debug model, 4 layers, fp32, 4 steps: train_fsdp.py on 1 GPU vs --parallel.pp 2, "
+                          "1F1B and GPipe, on 2 GPUs (skipped with fewer)", lambda c: gpu_train_checks.check_pp()),
+    Check("ep", lambda a: "ep: debug model, 4 experts top-2, fp32, 4 steps: train_fsdp.py on 1 GPU vs --parallel.ep 2 "
+                          "on 2 GPUs (skipped with fewer)", lambda c: gpu_train_checks.check_ep()),
     Check("offload", lambda a: f"offload: debug model, fp32, 2 steps, grad_clip {gpu_train_checks.OFFLOAD_CLIP}: "
                                f"parallel.cpu_offload true vs false", lambda c: gpu_train_checks.check_offload(
                                    c.device, c.mesh)),

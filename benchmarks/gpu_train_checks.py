@@ -1,8 +1,8 @@
-"""gpu_check.py's checks of whole training steps on CUDA: context parallelism, CPU offload, float8 against bf16, the
+"""gpu_check.py's checks of whole training steps on CUDA: context, pipeline and expert parallelism, CPU offload, float8 against bf16, the
 memory snapshot.
 
 Each builds small runs with the trainer's own code (config overrides -> build_trainable
--> train_step) on random tokens and returns (ok, one line of figures); the cp check runs train_fsdp.py
+-> train_step) on random tokens and returns (ok, one line of figures); the cp, pp and ep checks run train_fsdp.py
 under torchrun, as a user would.
 """
 from __future__ import annotations
@@ -35,19 +35,18 @@ OFFLOAD_CLIP = 0.05
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def check_cp() -> tuple[bool, str]:
-    """Context parallelism on CUDA: 1 GPU vs cp 2 on 2 GPUs, each a torchrun of train_fsdp.py; skipped on one GPU."""
-    if torch.cuda.device_count() < 2:
+def _torchrun_parity(what: str, common: list[str], layouts: list[tuple[str, int, list[str]]]) -> tuple[bool, str]:
+    """train_fsdp.py under torchrun, 4 fp32 steps per layout; each later layout's losses against the first's (1e-4)."""
+    if torch.cuda.device_count() < 2:  # NCCL refuses two ranks on one GPU
         return True, f"skipped: needs 2 GPUs, {torch.cuda.device_count()} visible"
-    tmp = tempfile.mkdtemp(prefix="gpu_check_cp_")
+    tmp = tempfile.mkdtemp(prefix=f"gpu_check_{what}_")
     common = ["--config", os.path.join(ROOT, "configs", "debug.toml"), "--train.device", "cuda", "--train.dtype",
-              "float32", "--train.steps", "4", "--train.val_interval", "0", "--checkpoint.interval", "1000",
-              "--model.n_kv_heads", "4", "--model.document_mask", "true"]
+              "float32", "--train.steps", "4", "--train.val_interval", "0", "--checkpoint.interval", "1000", *common]
     runs = {}
-    for name, n, extra in (("cp1", 1, []), ("cp2", 2, ["--parallel.cp", "2"])):
+    for name, n, extra in layouts:
         rd = os.path.join(tmp, name)
         if runs:  # the corpus tokenized once
-            shutil.copytree(os.path.join(tmp, "cp1", "data"), os.path.join(rd, "data"))
+            shutil.copytree(os.path.join(tmp, layouts[0][0], "data"), os.path.join(rd, "data"))
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
                                os.path.join(ROOT, "train_fsdp.py"), *common, "--run_dir", rd, *extra],
                               capture_output=True, text=True, timeout=900)
@@ -55,8 +54,34 @@ def check_cp() -> tuple[bool, str]:
             return False, f"{name} exited {proc.returncode}: {(proc.stdout + proc.stderr)[-300:]}"
         with open(os.path.join(rd, "metrics.jsonl")) as f:
             runs[name] = [r["loss"] for r in map(json.loads, f) if "loss" in r]
-    rel = _rel(runs["cp2"], runs["cp1"])
-    return rel <= 1e-4 and len(runs["cp2"]) == 4, f"losses cp 2 vs 1 GPU, 4 steps: max relative difference {rel:.1e}"
+    first = layouts[0][0]
+    parts, ok = [], True
+    for name, _, _ in layouts[1:]:
+        rel = _rel(runs[name], runs[first])
+        ok &= rel <= 1e-4 and len(runs[name]) == 4
+        parts.append(f"{name} vs {first}: max relative difference {rel:.1e}")
+    return ok, f"losses over 4 steps, {'; '.join(parts)} (need <= 1e-4)"
+
+
+def check_cp() -> tuple[bool, str]:
+    """Context parallelism on CUDA: 1 GPU vs cp 2 on 2 GPUs (Ulysses over NCCL); skipped on one GPU."""
+    return _torchrun_parity("cp", ["--model.n_kv_heads", "4", "--model.document_mask", "true"],
+                            [("cp1", 1, []), ("cp2", 2, ["--parallel.cp", "2"])])
+
+
+def check_pp() -> tuple[bool, str]:
+    """Pipeline parallelism on CUDA: 1 GPU vs pp 2 (1F1B and GPipe, activations sent over NCCL); skipped on one GPU."""
+    return _torchrun_parity("pp", ["--model.n_layers", "4"], [
+        ("pp1", 1, []),
+        *((f"pp2-{s}", 2, ["--parallel.pp", "2", "--parallel.pp_schedule", s, "--parallel.pp_microbatches", "4"])
+          for s in ("1F1B", "GPipe"))])
+
+
+def check_ep() -> tuple[bool, str]:
+    """Expert parallelism on CUDA: an MoE debug model on 1 GPU vs ep 2 (tokens sent by all-to-all over NCCL, the
+    experts' grouped matmul); skipped on one GPU."""
+    moe = ["--model.n_experts", "4", "--model.experts_per_token", "2", "--model.expert_ffn_dim", "192"]
+    return _torchrun_parity("ep", moe, [("ep1", 1, []), ("ep2", 2, ["--parallel.ep", "2"])])
 
 
 def _steps(overrides: list[str], mesh, device, n: int) -> tuple[list[float], list[float], Trainable]:
