@@ -37,8 +37,6 @@ def check_moe(cfg, world_size: int = 0) -> None:
 
 
 PIPELINE_REFUSED = {
-    "parallel.tp": lambda c: c.parallel.tp > 1,
-    "parallel.cp": lambda c: c.parallel.cp > 1,
     "model.n_experts": lambda c: c.model.n_experts > 0,
     "optim.name muon": lambda c: c.optim.name == "muon",
     "train.loss_chunk_size": lambda c: c.train.loss_chunk_size > 0,
@@ -72,4 +70,4 @@ def check_pipeline(cfg, world_size: int) -> None:
         return
     dp = p.data_parallel(world_size)
     check_pp(p.pp, p.pp_schedule, p.pp_microbatches, cfg.model.n_layers, t.global_batch_size // max(dp, 1),
-             dp, t.micro_batch_size or 1)
+             dp, t.micro_batch_size or 1, p.pp_stages_per_rank)

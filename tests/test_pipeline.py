@@ -6,7 +6,6 @@ import re
 import pytest
 import torch
 
-import train_2d
 import train_fsdp
 from launch import (
     DEBUG,
@@ -22,7 +21,7 @@ from launch import (
     wait_for_step,
 )
 from model import ModelArgs, Transformer
-from parallel.pipeline import PassThrough, prune, stage_layers
+from parallel.pipeline_stages import PassThrough, prune, stage_layers
 
 MHA = ["--model.n_kv_heads", "4"]
 
@@ -40,7 +39,7 @@ def test_a_pruned_stage_keeps_the_full_models_names_and_only_its_part():
     parts = []
     for stage in range(2):
         m = Transformer(args)
-        prune(m, stage, 2)
+        prune(m, [stage], 2)
         parts.append(set(m.state_dict()))
         assert isinstance(m.layers[2 if stage == 0 else 0], PassThrough)
     assert parts[0] | parts[1] == full and not parts[0] & parts[1]
@@ -48,24 +47,30 @@ def test_a_pruned_stage_keeps_the_full_models_names_and_only_its_part():
 
 
 PP_LAYOUTS = {
-    "pp2-1f1b": (2, ["--parallel.pp", "2"]),
-    "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.pp_microbatches", "4"]),
-    "pp2-fsdp2": (4, ["--parallel.pp", "2"]),
-    "pp4": (4, ["--parallel.pp", "4", "--model.n_layers", "4"]),
+    "pp2-1f1b": (2, 1, ["--parallel.pp", "2"]),
+    "pp2-gpipe": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.pp_microbatches", "4"]),
+    "pp2-interleaved": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
+    "pp2-looped-bfs": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "LoopedBFS"]),
+    "pp2-fsdp2": (4, 1, ["--parallel.pp", "2"]),
+    "pp4": (4, 1, ["--parallel.pp", "4"]),
+    "pp2-tp2": (4, 2, ["--parallel.pp", "2"]),
+    "pp2-tp2-interleaved": (4, 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
+    "pp2-cp2": (4, 1, ["--parallel.pp", "2", "--parallel.cp", "2"]),
 }
-"""id: (ranks, flags): 1F1B and GPipe over 2 stages, 2 stages x FSDP 2, 4 stages of one block each."""
+"""id: (ranks, tp, flags): 1F1B and GPipe over 2 stages; 2 stages per rank (Interleaved1F1B, LoopedBFS: 4 stages of
+one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each."""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", PP_LAYOUTS)
 def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
-    worker.prefetch([(1, 1, *MHA, "--model.n_layers", "4")]
-                    + [(n, 1, *MHA, "--model.n_layers", "4", *flags) for n, flags in PP_LAYOUTS.values()])
-    n, flags = PP_LAYOUTS[layout]
-    one, other = worker(1, 1, *MHA, "--model.n_layers", "4"), worker(n, 1, *MHA, "--model.n_layers", "4", *flags)
+    flags = [*MHA, "--model.n_layers", "4"]
+    worker.prefetch([(1, 1, *flags)] + [(n, tp, *flags, *more) for n, tp, more in PP_LAYOUTS.values()])
+    n, tp, more = PP_LAYOUTS[layout]
+    one, other = worker(1, 1, *flags), worker(n, tp, *flags, *more)
     assert one["losses"] == pytest.approx(other["losses"], rel=1e-5, abs=0)
     assert one["grad_norms"] == pytest.approx(other["grad_norms"], rel=1e-5, abs=0)  # every stage's gradients
-    for g1, g2 in zip(one["grads"], other["grads"]):  # rank 0's: the first stage's parameters
+    for g1, g2 in zip(one["grads"], other["grads"]):  # rank 0's: the first stage's parameters (and the third's)
         assert g2 and set(g2) < set(g1) and "tok_embeddings.weight" in g2
         for name in g2:
             torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -105,11 +110,19 @@ def test_sigkill_at_pp_2_then_resume_on_1_rank_gives_the_uninterrupted_losses_an
                                                                     "16 sequences each data-parallel rank runs per "
                                                                     "step; use one of [2, 4, 8, 16]"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Zippy"], "parallel.pp_schedule 'Zippy' is not a schedule "
-                                                                    "here; use one of 1F1B, GPipe"),
-    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"], "runs several stages per rank, which is "
-                                                                              "not built yet"),
+                                                                    "here; use one of 1F1B, GPipe, Interleaved1F1B, "
+                                                                    "LoopedBFS, InterleavedZeroBubble"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble"], "loses part of the weight gradients "
+                                                                            "(docs/pipeline.md); use Interleaved1F1B"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_stages_per_rank", "2"], "parallel.pp_schedule 1F1B runs one stage per "
+                                                                       "rank, and parallel.pp_stages_per_rank is 2"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "1"],
+     "parallel.pp_schedule Interleaved1F1B runs 2 or more stages per rank, and parallel.pp_stages_per_rank is 1"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--model.n_layers", "3"],
+     "parallel.pp x parallel.pp_stages_per_rank (2 x 2) is more than model.n_layers (3)"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "5"],
+     "parallel.pp_microbatches (5) must be a multiple of 2; use 4 or a multiple of 2"),
     (2, ["--parallel.pp", "2", "--optim.name", "muon"], "parallel.pp 2 does not run with optim.name muon yet"),
-    (4, ["--parallel.pp", "2", "--parallel.cp", "2"], "parallel.pp 2 does not run with parallel.cp yet"),
     (2, ["--parallel.pp", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
      "parallel.pp 2 does not run with model.n_experts yet"),
     (2, ["--parallel.pp", "0"], "parallel.pp must be >= 1, got 0"),
@@ -155,10 +168,3 @@ def test_pipeline_with_batch_stages_is_refused_before_it_aborts_at_the_first_lar
                                          "--parallel.pp", "2", *MHA], capsys)
     assert "parallel.pp 2 does not run with [[train.batch_stages]] yet (docs/pipeline.md)" in line, line
     assert not os.path.exists(tmp_path / "run")
-
-
-def test_pipeline_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
-    with before_any_collective(monkeypatch, 4):
-        line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
-                                       "--parallel.pp", "2", *MHA], capsys)
-    assert "parallel.pp 2 does not run with parallel.tp yet (docs/pipeline.md)" in line, line
