@@ -147,7 +147,7 @@ def theory(label: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the Markdown table's file")
+    ap.add_argument("--out", default="", help="the Markdown table's file (required but in --worker)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row")
     ap.add_argument("--workdir", default="/tmp/pp_bench", help="scratch folder (each row's json and log)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(["--steps", str(args.steps), *rest])
         return 0
+    if not args.out:
+        ap.error("--out is required")
     os.makedirs(args.workdir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     lines = ["| layout (world) | step s | tokens/s | bubble measured | bubble theory | params / rank | AdamW state / rank "

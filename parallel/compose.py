@@ -40,7 +40,6 @@ PIPELINE_REFUSED = {
     "model.n_experts": lambda c: c.model.n_experts > 0,
     "optim.name muon": lambda c: c.optim.name == "muon",
     "train.loss_chunk_size": lambda c: c.train.loss_chunk_size > 0,
-    "model.document_mask": lambda c: c.model.document_mask,
     "train.float8": lambda c: c.train.float8 != "off",
     "[[eval.tasks]]": lambda c: bool(c.eval.tasks),
     # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.

@@ -367,7 +367,7 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, device: torch.device, seed: i
         model = Transformer(args)
     if "pp" in (mesh.mesh_dim_names or ()):
         pp, v = mesh["pp"].size(), stages_per_rank(cfg.pp_schedule, cfg.pp_stages_per_rank)
-        prune(model, rank_stages(mesh["pp"].get_local_rank(), pp, v, cfg.pp_schedule), pp * v)
+        prune(model, rank_stages(mesh["pp"].get_local_rank(), pp, v), pp * v)
     parallelize(model, mesh, cfg, dtype=dtype, activation_checkpointing=activation_checkpointing,
                 compile=compile, tp_plan=tp_plan, float8_recipe=float8_recipe)
     materialize(model, device, seed, cfg.cpu_offload)

@@ -28,14 +28,13 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.utils import _pytree as pytree
 
 from core.errors import SetupError
-from model import SequenceLayout, Transformer
+from model import SequenceLayout, Transformer, slice_layout
 from nn.loss import logits_loss_sums, loss_context
 from parallel.context_parallel import shard_batch
 from parallel.pipeline_stages import (
     MULTI_STAGE,
     SCHEDULES,
     SINGLE_STAGE,
-    V_SHAPED,
     ZERO_BUBBLE,
     rank_stages,
     stage_modules,
@@ -51,11 +50,11 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
              micro_batch_size: int = 1, per_rank: int = 0) -> None:
     """The PP checks that need no collective; raises SetupError naming the numbers and the fix.
 
-    The schedule must be one of SCHEDULES, with per_rank (parallel.pp_stages_per_rank, 0: its
-    default) stages per rank: 1 for 1F1B and GPipe, >= 2 for the others, exactly 2 for the
-    V-shaped ones; pp x per_rank stages need a block each. The micro-batches must be at least
-    pp (fewer leave a stage idle for the whole step; 1F1B needs them), at least every stage for
-    DualPipeV, a multiple of their rounds (m // pp) for the interleaved schedules, and divide
+    The schedule must be one of SCHEDULES and not a ZERO_BUBBLE one, with per_rank
+    (parallel.pp_stages_per_rank, 0: its default) stages per rank: 1 for 1F1B and GPipe, >= 2
+    for the others; pp x per_rank stages need a block each. The micro-batches must be at least
+    pp (fewer leave a stage idle for the whole step; 1F1B needs them), a multiple of their
+    rounds (m // pp) for Interleaved1F1B, and divide
     local_batch, the sequences each data-parallel rank runs per step; a local_batch below pp is
     refused naming train.global_batch_size (dp data-parallel ranks, the loader's
     train.micro_batch_size sequences at a time) and the smallest batch that works.
@@ -73,9 +72,8 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
     if schedule in SINGLE_STAGE and v != 1:
         raise SetupError(f"parallel.pp_schedule {schedule} runs one stage per rank, and parallel.pp_stages_per_rank "
                          f"is {v}; use parallel.pp_stages_per_rank 1 (or 0), or Interleaved1F1B for several")
-    if schedule in MULTI_STAGE and (v < 2 or (schedule in V_SHAPED and v != 2)):
-        need = "exactly 2" if schedule in V_SHAPED else "2 or more"
-        raise SetupError(f"parallel.pp_schedule {schedule} runs {need} stages per rank, and "
+    if schedule in MULTI_STAGE and v < 2:
+        raise SetupError(f"parallel.pp_schedule {schedule} runs 2 or more stages per rank, and "
                          f"parallel.pp_stages_per_rank is {v}; use parallel.pp_stages_per_rank 2 (or 0)")
     if pp * v > n_layers:
         what = f"parallel.pp ({pp})" if v == 1 else f"parallel.pp x parallel.pp_stages_per_rank ({pp} x {v})"
@@ -85,11 +83,8 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
     if microbatches < pp:
         raise SetupError(f"parallel.pp_microbatches ({microbatches}) is fewer than parallel.pp ({pp}): a stage would "
                          f"wait the whole step; use parallel.pp_microbatches >= {pp} (4 x pp keeps the bubble small)")
-    if schedule == "DualPipeV" and microbatches < 2 * pp:
-        raise SetupError(f"parallel.pp_schedule DualPipeV needs a micro-batch per stage: parallel.pp_microbatches "
-                         f"({microbatches}) < {2 * pp} stages; use parallel.pp_microbatches >= {2 * pp}")
     rounds = max(1, microbatches // pp)
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % rounds:
+    if schedule == "Interleaved1F1B" and microbatches % rounds:
         raise SetupError(f"parallel.pp_schedule {schedule} runs the micro-batches in rounds of parallel.pp ({pp}): "
                          f"parallel.pp_microbatches ({microbatches}) must be a multiple of {rounds}; use "
                          f"{rounds * pp} or a multiple of {pp}")
@@ -156,9 +151,10 @@ class Pipeline:
         inputs = torch.cat([i for i, _ in micro_batches]).to(device, non_blocking=True)
         labels = torch.cat([t for _, t in micro_batches]).to(device, non_blocking=True)
         inputs, labels, layout = shard_batch(self.model, inputs, labels, mesh)
+        layout = self.documents(inputs, layout)
         self.scale, self.sums = dp_size / n_targets, []
         args = (inputs,) if self.is_first else ()
-        # Every stage's blocks take the slice's RoPE positions; the schedule splits them with the batch.
+        # Every stage's blocks take the RoPE positions (and documents); the schedule splits them with the batch.
         kwargs = {"layout": layout} if layout is not None else {}
         with self.context():
             self.schedule.step(*args, target=labels if self.is_last else None, return_outputs=False, **kwargs)
@@ -169,6 +165,14 @@ class Pipeline:
         dist.all_reduce(sums, group=self.group)  # the last stage's, on every stage
         return sums[0], sums[1]
 
+    def documents(self, inputs: Tensor, layout: SequenceLayout | None) -> SequenceLayout | None:
+        """layout, or under model.document_mask without CP the whole windows' (model.slice_layout of inputs
+        (batch, seq) int64): the stages after the first see no tokens to find the documents in."""
+        args = self.model.args
+        if layout is None and args.document_mask:
+            return slice_layout(inputs, 0, inputs.shape[1], True, args.eot_id)
+        return layout
+
     @torch.no_grad()
     def forward_loss(self, inputs: Tensor, labels: Tensor, layout: SequenceLayout | None = None) -> Tensor:
         """Summed token cross-entropy of a batch (batch, seq), fp32 0-dim: on the last stage's rank, 0 on the others.
@@ -178,7 +182,7 @@ class Pipeline:
         order, receiving from the previous stage's rank and sending to the next one's (point to
         point over the pp group; stages on the same rank hand over directly).
         """
-        h = inputs
+        h, layout = inputs, self.documents(inputs, layout)
         for index, module in self.stages:
             if index > 0 and self.stage_rank[index - 1] != self.stage_rank[index]:
                 b, t = inputs.shape
@@ -208,7 +212,7 @@ def build_pipeline(model: Transformer, mesh: DeviceMesh, device: torch.device, s
     group, pp = pp_mesh.get_group(), pp_mesh.size()
     stages = stage_modules(model)
     n_stages = pp * len(stages)
-    stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(stages), schedule)}
+    stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(stages))}
     tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
     pipe = Pipeline(model, None, group, stages, n_stages, z_loss, act_dtype, microbatches, stage_rank,
                     seq_split=tp, context=loss_context(mesh))

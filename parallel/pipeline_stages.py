@@ -4,9 +4,8 @@ The model is split into S = pp x v stages of contiguous blocks (v: stages per ra
 1F1B and GPipe, 2 or more for the interleaved schedules). Stage s of S holds
 ``stage_layers(n_layers, S, s)``; the first stage also holds the embedding, the last the final
 norm and the output projection. A rank of the pipeline group runs the stages
-``rank_stages(rank, pp, v, schedule)``: r, r + pp, r + 2 pp, ... ("loop" order, as
-Interleaved1F1B expects), or r and 2 pp - 1 - r for the V-shaped schedules (ZBVZeroBubble,
-DualPipeV: the first rank also holds the last stage).
+``rank_stages(rank, pp, v)``: r, r + pp, r + 2 pp, ... ("loop" order, as Interleaved1F1B and
+LoopedBFS expect).
 
 Each rank builds the whole Transformer on the meta device and prunes it (``prune``) to the
 union of its stages before any other wrapping, so every parameter keeps the full model's name
@@ -25,9 +24,7 @@ from model import Transformer
 SINGLE_STAGE = ("1F1B", "GPipe")
 """Schedules with one stage per rank."""
 MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules with several stages per rank (parallel.pp_stages_per_rank, 2 by default; exactly 2 for V_SHAPED)."""
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-"""Schedules whose ranks hold stages r and 2 pp - 1 - r (torch's style="v" stage-to-rank mapping)."""
+"""Schedules with several stages per rank (parallel.pp_stages_per_rank, 2 by default)."""
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """Schedules that split the backward into input and weight gradients: refused (pipeline.check_pp says why)."""
 SCHEDULES = SINGLE_STAGE + MULTI_STAGE
@@ -46,10 +43,9 @@ def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
     return range(start, start + q + (stage < r))
 
 
-def rank_stages(rank: int, pp: int, per_rank: int, schedule: str) -> list[int]:
-    """The stage indices (of pp x per_rank) that pipeline rank runs, ascending."""
-    if schedule in V_SHAPED:
-        return sorted((rank, 2 * pp - 1 - rank))
+def rank_stages(rank: int, pp: int, per_rank: int) -> list[int]:
+    """The stage indices (of pp x per_rank) that pipeline rank runs, ascending: rank, rank + pp, ... (the loop order
+    of Interleaved1F1B and LoopedBFS; the V-shaped schedules' r and 2 pp - 1 - r would go here)."""
     return [rank + k * pp for k in range(per_rank)]
 
 

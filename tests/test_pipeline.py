@@ -21,7 +21,7 @@ from launch import (
     wait_for_step,
 )
 from model import ModelArgs, Transformer
-from parallel.pipeline_stages import PassThrough, prune, stage_layers
+from parallel.pipeline_stages import PassThrough, prune, rank_stages, stage_layers, stage_modules
 
 MHA = ["--model.n_kv_heads", "4"]
 
@@ -46,6 +46,26 @@ def test_a_pruned_stage_keeps_the_full_models_names_and_only_its_part():
     assert "tok_embeddings.weight" in parts[0] and "output.weight" in parts[1] and "norm.weight" in parts[1]
 
 
+def test_stages_run_in_turn_across_ranks_give_the_whole_models_logits():
+    # 4 stages on 2 ranks, as Interleaved1F1B runs them: rank 0 stages 0 and 2, rank 1 stages 1 and 3.
+    args = ModelArgs(dim=32, n_layers=5, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=48, max_seq_len=16)
+    full = Transformer(args)
+    ranks = []
+    for r in range(2):
+        m = Transformer(args)
+        prune(m, rank_stages(r, 2, 2), 4)
+        m.load_state_dict({k: v for k, v in full.state_dict().items() if k in m.state_dict()})
+        ranks.append(dict(stage_modules(m)))
+    assert [sorted(ranks[0]), sorted(ranks[1])] == [[0, 2], [1, 3]]
+    assert "tok_embeddings.weight" in ranks[0][0].state_dict() and "output.weight" in ranks[1][3].state_dict()
+    assert set(ranks[0][2].state_dict()) == {k for k in full.state_dict() if k.startswith("layers.3.")}
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    h = tokens
+    for s in range(4):
+        h = ranks[s % 2][s](h)
+    torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
+
+
 PP_LAYOUTS = {
     "pp2-1f1b": (2, 1, ["--parallel.pp", "2"]),
     "pp2-gpipe": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.pp_microbatches", "4"]),
@@ -56,17 +76,22 @@ PP_LAYOUTS = {
     "pp2-tp2": (4, 2, ["--parallel.pp", "2"]),
     "pp2-tp2-interleaved": (4, 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-cp2": (4, 1, ["--parallel.pp", "2", "--parallel.cp", "2"]),
+    "pp2-interleaved-docmask": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
 }
 """id: (ranks, tp, flags): 1F1B and GPipe over 2 stages; 2 stages per rank (Interleaved1F1B, LoopedBFS: 4 stages of
-one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each."""
+one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A "-docmask"
+layout and its 1-rank reference both run with model.document_mask."""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", PP_LAYOUTS)
 def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
-    flags = [*MHA, "--model.n_layers", "4"]
-    worker.prefetch([(1, 1, *flags)] + [(n, tp, *flags, *more) for n, tp, more in PP_LAYOUTS.values()])
+    def model(name):
+        return [*MHA, "--model.n_layers", "4", *(["--model.document_mask", "true"] if "docmask" in name else [])]
+    worker.prefetch([(1, 1, *model(k)) for k in PP_LAYOUTS] + [(n, tp, *model(k), *more)
+                                                                for k, (n, tp, more) in PP_LAYOUTS.items()])
     n, tp, more = PP_LAYOUTS[layout]
+    flags = model(layout)
     one, other = worker(1, 1, *flags), worker(n, tp, *flags, *more)
     assert one["losses"] == pytest.approx(other["losses"], rel=1e-5, abs=0)
     assert one["grad_norms"] == pytest.approx(other["grad_norms"], rel=1e-5, abs=0)  # every stage's gradients
