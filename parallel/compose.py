@@ -41,7 +41,6 @@ PIPELINE_REFUSED = {
     "optim.name muon": lambda c: c.optim.name == "muon",
     "train.loss_chunk_size": lambda c: c.train.loss_chunk_size > 0,
     "train.float8": lambda c: c.train.float8 != "off",
-    "[[eval.tasks]]": lambda c: bool(c.eval.tasks),
     # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.
     "[[train.batch_stages]]": lambda c: bool(c.train.batch_stages),
 }

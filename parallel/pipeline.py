@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from core.errors import SetupError
 from model import SequenceLayout, Transformer, slice_layout
-from nn.loss import logits_loss_sums, loss_context
+from nn.loss import logits_loss_sums, loss_context, nll_head
 from parallel.context_parallel import shard_batch
 from parallel.pipeline_stages import (
     MULTI_STAGE,
@@ -174,13 +174,14 @@ class Pipeline:
         return layout
 
     @torch.no_grad()
-    def forward_loss(self, inputs: Tensor, labels: Tensor, layout: SequenceLayout | None = None) -> Tensor:
-        """Summed token cross-entropy of a batch (batch, seq), fp32 0-dim: on the last stage's rank, 0 on the others.
-        layout: under CP, the slice's (context_parallel.shard_batch).
+    def run(self, inputs: Tensor, layout: SequenceLayout | None = None, head=None) -> Tensor | None:
+        """The last stage's output (fp32 logits, or head(output, h) as Transformer.forward takes head) of a batch
+        (batch, seq) of tokens, on the rank that runs the last stage; None on the others.
 
         Forward only, the whole batch at once, stage after stage: each rank runs its stages in
         order, receiving from the previous stage's rank and sending to the next one's (point to
-        point over the pp group; stages on the same rank hand over directly).
+        point over the pp group; stages on the same rank hand over directly). layout: under CP,
+        the slice's (context_parallel.shard_batch); under the document mask it is found here.
         """
         h, layout = inputs, self.documents(inputs, layout)
         for index, module in self.stages:
@@ -188,12 +189,26 @@ class Pipeline:
                 b, t = inputs.shape
                 h = torch.empty(b, t // self.seq_split, self.model.args.dim, dtype=self.act_dtype, device=inputs.device)
                 dist.recv(h, group=self.group, group_src=self.stage_rank[index - 1])
-            h = module(h, layout=layout)
-            if index < self.n_stages - 1 and self.stage_rank[index + 1] != self.stage_rank[index]:
+            last = index == self.n_stages - 1
+            h = module(h, layout=layout, head=head) if last else module(h, layout=layout)
+            if not last and self.stage_rank[index + 1] != self.stage_rank[index]:
                 dist.send(h.contiguous(), group=self.group, group_dst=self.stage_rank[index + 1])
-        if not self.is_last:
+        return h if self.is_last else None
+
+    def forward_loss(self, inputs: Tensor, labels: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+        """Summed token cross-entropy of a batch (batch, seq), fp32 0-dim: on the last stage's rank, 0 on the others
+        (run)."""
+        logits = self.run(inputs, layout)
+        if logits is None:
             return torch.zeros((), device=inputs.device)
-        return logits_loss_sums(h, labels).objective  # under the caller's loss context (validation's)
+        return logits_loss_sums(logits, labels).objective  # under the caller's loss context (validation's)
+
+    def token_logprobs(self, inputs: Tensor, targets: Tensor, vocab_parallel: bool = False) -> Tensor:
+        """nn.loss.token_logprobs through the stages: (batch, seq) fp32 on every rank (collective over the pp group)."""
+        nll = self.run(inputs, head=nll_head(targets, vocab_parallel))
+        logp = -nll if nll is not None else torch.zeros(targets.shape, device=targets.device)
+        dist.all_reduce(logp, group=self.group)  # the last stage's, on every stage
+        return logp
 
 
 def default_microbatches(pp: int, local_batch: int) -> int:
