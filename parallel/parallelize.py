@@ -175,7 +175,18 @@ def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate:
     dp_mesh(mesh)
     fsdp_mesh(mesh)
     loss_mesh(mesh)
+    stage_group(mesh)
     return mesh
+
+
+def stage_group(mesh: DeviceMesh):
+    """The process group of the ranks that hold the same parameters (a Muon step's, optimization/muon.py): None
+    (every rank), or under pipeline parallelism this rank's stage's, every mesh dimension but "pp"."""
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names:
+        return None
+    rest = tuple(n for n in names if n != "pp")
+    return (mesh[rest]._flatten("stage") if len(rest) > 1 else mesh[rest[0]]).get_group()
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

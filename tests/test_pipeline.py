@@ -77,17 +77,20 @@ PP_LAYOUTS = {
     "pp2-tp2-interleaved": (4, 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-cp2": (4, 1, ["--parallel.pp", "2", "--parallel.cp", "2"]),
     "pp2-interleaved-docmask": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
+    "pp2-fsdp2-interleaved-muon": (4, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
 }
 """id: (ranks, tp, flags): 1F1B and GPipe over 2 stages; 2 stages per rank (Interleaved1F1B, LoopedBFS: 4 stages of
-one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A "-docmask"
-layout and its 1-rank reference both run with model.document_mask."""
+one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
+named "-docmask" or "-muon" and its 1-rank reference both run with model.document_mask or optim.name muon
+(SHARED)."""
+SHARED = {"docmask": ["--model.document_mask", "true"], "muon": ["--optim.name", "muon"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", PP_LAYOUTS)
 def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
     def model(name):
-        return [*MHA, "--model.n_layers", "4", *(["--model.document_mask", "true"] if "docmask" in name else [])]
+        return [*MHA, "--model.n_layers", "4", *(f for k, v in SHARED.items() if k in name for f in v)]
     worker.prefetch([(1, 1, *model(k)) for k in PP_LAYOUTS] + [(n, tp, *model(k), *more)
                                                                 for k, (n, tp, more) in PP_LAYOUTS.items()])
     n, tp, more = PP_LAYOUTS[layout]
@@ -149,7 +152,8 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
      "parallel.pp x parallel.pp_stages_per_rank (2 x 2) is more than model.n_layers (3)"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "5"],
      "parallel.pp_microbatches (5) must be a multiple of 2; use 4 or a multiple of 2"),
-    (2, ["--parallel.pp", "2", "--optim.name", "muon"], "parallel.pp 2 does not run with optim.name muon yet"),
+    (2, ["--parallel.pp", "2", "--train.loss_chunk_size", "64"], "parallel.pp 2 does not run with "
+                                                                  "train.loss_chunk_size yet"),
     (2, ["--parallel.pp", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
      "parallel.pp 2 does not run with model.n_experts yet"),
     (2, ["--parallel.pp", "0"], "parallel.pp must be >= 1, got 0"),

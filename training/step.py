@@ -24,7 +24,7 @@ from optimization.optimizers import build_optimizer
 from optimization.spike import push, spike_reason
 from parallel import distributed, float8
 from parallel.context_parallel import shard_batch
-from parallel.parallelize import TPPlan, build_model, dp_mesh, loss_mesh
+from parallel.parallelize import TPPlan, build_model, dp_mesh, loss_mesh, stage_group
 from parallel.pipeline import Pipeline, build_pipeline, default_microbatches
 
 
@@ -324,7 +324,7 @@ def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.devi
                             activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan,
                             float8_recipe=t.float8)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload,
-                                           batch_schedule=t.batch_schedule())
+                                           batch_schedule=t.batch_schedule(), group=stage_group(mesh))
     pipeline = None
     if "pp" in (mesh.mesh_dim_names or ()):
         p = cfg.parallel
