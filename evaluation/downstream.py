@@ -351,7 +351,8 @@ def _batches(order: list[int], requests: list[Request], max_tokens: int, multipl
 
 @torch.no_grad()
 def loglikelihoods(model: torch.nn.Module, requests: list[Request], device: torch.device, mesh: DeviceMesh,
-                   dp_rank: int, dp_size: int, dp_group, max_tokens: int, pad_id: int = 0) -> list[float]:
+                   dp_rank: int, dp_size: int, dp_group, max_tokens: int, pad_id: int = 0,
+                   pipeline=None) -> list[float]:
     """Summed log-likelihood (nats, fp32 per token, float64 sums) of each request's continuation (collective).
 
     The requests, longest first, are shared out over the dp_size data-parallel ranks
@@ -359,7 +360,8 @@ def loglikelihoods(model: torch.nn.Module, requests: list[Request], device: torc
     tokens (widths rounded up to a multiple of the mesh's tp size, for sequence parallelism),
     every rank runs as many forward passes as the rank with the most, and one all-reduce over
     dp_group gives every rank every sum. The model is left in train mode, its FSDP modules
-    resharded.
+    resharded. pipeline: under pipeline parallelism this rank's parallel.pipeline.Pipeline (model
+    is then its part), whose stages run each batch in turn.
     """
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     lo, hi = rank_share(len(order), dp_rank, dp_size)
@@ -379,10 +381,13 @@ def loglikelihoods(model: torch.nn.Module, requests: list[Request], device: torc
                 n = len(r.tokens) - 1
                 inputs[row, :n] = torch.tensor(r.tokens[:-1])
                 targets[row, n - r.n_continuation:n] = torch.tensor(r.tokens[n + 1 - r.n_continuation:])
-            logp = token_logprobs(model, inputs.to(device), targets.to(device), has_tp(mesh)).double().sum(dim=1)
+            x, y = inputs.to(device), targets.to(device)
+            logp = (pipeline.token_logprobs(x, y, has_tp(mesh)) if pipeline is not None
+                    else token_logprobs(model, x, y, has_tp(mesh))).double().sum(dim=1)
             if b < len(mine):
                 sums[batch] = logp[:len(batch)]
-    reshard(model)
+    for module in [model] + ([m for _, m in pipeline.stages] if pipeline is not None else []):
+        reshard(module)
     model.train()
     dist.all_reduce(sums, group=dp_group)  # each request was scored by exactly one rank
     return sums.tolist()
@@ -409,11 +414,13 @@ def load_tasks(cfg: EvalConfig, tokenizer_path: str, max_len: int) -> list[Task]
 
 
 def evaluate_tasks(model: torch.nn.Module, tasks: list[Task], device: torch.device, mesh: DeviceMesh,
-                   dp_rank: int, dp_size: int, dp_group, max_tokens: int) -> dict[str, float]:
-    """{"eval/<task>/acc", "eval/<task>/acc_norm"} of every task (collective over the data-parallel ranks)."""
+                   dp_rank: int, dp_size: int, dp_group, max_tokens: int, pipeline=None) -> dict[str, float]:
+    """{"eval/<task>/acc", "eval/<task>/acc_norm"} of every task (collective over the data-parallel ranks, and the
+    pipeline's ranks under PP: see loglikelihoods)."""
     record = {}
     for t in tasks:
-        lls = loglikelihoods(model, t.requests, device, mesh, dp_rank, dp_size, dp_group, max_tokens)
+        lls = loglikelihoods(model, t.requests, device, mesh, dp_rank, dp_size, dp_group, max_tokens,
+                             pipeline=pipeline)
         for k, v in scores(t.examples, lls).items():
             record[f"eval/{t.name}/{k}"] = v
     return record

@@ -114,13 +114,14 @@ def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device,
             inputs, labels = vs.batches[min(i, len(vs.batches) - 1)] if vs.batches else spare
             inputs, labels, layout = shard_batch(model, inputs.to(device), labels.to(device), mesh)
             if pipeline is not None:
-                loss = pipeline.forward_loss(inputs, labels)
+                loss = pipeline.forward_loss(inputs, labels, layout)
             else:
                 loss = token_loss_sum(model, inputs, labels, chunk, layout)
             if i < len(vs.batches) and (pipeline is None or pipeline.is_last):
                 total[0] += scalar(loss).double()
                 total[1] += labels.numel()
-    reshard(model)
+    for module in [model] + ([m for _, m in pipeline.stages] if pipeline is not None else []):
+        reshard(module)  # several stages per rank: each stage is its own FSDP root, outside model
     model.train()
     if pipeline is not None:
         dist.all_reduce(total, group=pipeline.group)

@@ -24,7 +24,7 @@ sum all-reduce over the tp group, never a gathered logits tensor).
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -226,11 +226,19 @@ def token_logprobs(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.
                    vocab_parallel: bool = False) -> torch.Tensor:
     """log p(targets[b, t] | inputs[b, :t + 1]) per position, fp32 (batch, seq); 0 where targets is -100.
 
-    Forward only (for downstream scoring). Without tensor parallelism only the positions with
-    a target go through the output projection (a continuation is a few tokens of a long row).
-    vocab_parallel (has_tp of the mesh; call inside loss_context): the logits are
-    vocabulary-sharded, all positions go through it, and loss_parallel's cross-entropy gives
-    the per-token values.
+    Forward only (for downstream scoring): -model(inputs, head=nll_head(targets, vocab_parallel)).
+    """
+    return -model(inputs, head=nll_head(targets, vocab_parallel))
+
+
+def nll_head(targets: torch.Tensor, vocab_parallel: bool = False) -> Callable:
+    """The model head (Transformer.forward's head=) that returns -log p(targets) per position, fp32 (batch, seq), 0
+    where targets (batch, seq) is -100.
+
+    Without tensor parallelism only the positions with a target go through the output projection
+    (a continuation is a few tokens of a long row). vocab_parallel (has_tp of the mesh; call
+    inside loss_context): the logits are vocabulary-sharded, all positions go through it, and
+    loss_parallel's cross-entropy gives the per-token values.
     """
     keep = targets != -100
 
@@ -243,4 +251,4 @@ def token_logprobs(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.
         out[keep] = F.cross_entropy(output(hidden[keep]).float(), targets[keep], reduction="none")
         return out
 
-    return -model(inputs, head=head)
+    return head

@@ -96,17 +96,19 @@ class MuonAdamW(torch.optim.Optimizer):
     Muon groups: lr, weight_decay, momentum, nesterov, ns_steps, ns_coefficients, eps (all as
     torch.optim.Muon, LR adjusted by ADJUST_LR_FN; Newton-Schulz by newton_schulz_for). AdamW groups: lr, betas, eps, weight_decay
     (torch.optim.adamw's functional kernel, fused when fused=True). Parameters: plain tensors or
-    DTensors whose mesh spans the whole default process group; a Muon step is then collective.
+    DTensors whose mesh spans the ranks of group (None: the whole default process group; under
+    pipeline parallelism the stage's ranks, which hold the same matrices); a Muon step is then
+    collective over group.
     State: AdamW "step", "exp_avg", "exp_avg_sq"; Muon "momentum_buffer" (fp32, like the grad).
     """
 
     def __init__(self, groups: list[dict], lr: float, betas=(0.9, 0.99), eps: float = 1e-8, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = DEFAULT_NS_STEPS, fused: bool = False) -> None:
+                 nesterov: bool = True, ns_steps: int = DEFAULT_NS_STEPS, fused: bool = False, group=None) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "muon": False, "momentum": momentum,
                     "nesterov": nesterov, "ns_steps": ns_steps, "ns_coefficients": (DEFAULT_A, DEFAULT_B, DEFAULT_C),
                     "ns_eps": EPS}
         super().__init__(groups, defaults)
-        self.fused = fused
+        self.fused, self.group = fused, group
         self._index: dict[int, tuple] = {}  # id(param) -> (my flat indices, {owner: all ranks' indices}) once
 
     @torch.no_grad()
@@ -166,7 +168,8 @@ class MuonAdamW(torch.optim.Optimizer):
         """Each update orthogonalised as a whole matrix; returns this rank's piece of each (local shape)."""
         if not params or not isinstance(params[0], DTensor):
             return [ns(u) for u in updates]
-        world, me = dist.get_world_size(), dist.get_rank()
+        g = self.group
+        world, me = dist.get_world_size(g), dist.get_rank(g)
         dev = params[0].to_local().device  # NCCL sends CUDA tensors only
         out: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for start in range(0, len(params), world):
@@ -177,7 +180,7 @@ class MuonAdamW(torch.optim.Optimizer):
             send_split = [s.numel() for s in sends] + [0] * (world - len(chunk))
             recv_split = [len(i) for i in idx_all] if mine is not None else [0] * world
             recv = torch.empty(sum(recv_split), dtype=torch.float32, device=dev)
-            dist.all_to_all_single(recv, torch.cat(sends), recv_split, send_split)
+            dist.all_to_all_single(recv, torch.cat(sends), recv_split, send_split, group=g)
             back = torch.empty(0, device=dev)
             if mine is not None:
                 full = torch.empty(params[mine].numel(), dtype=torch.float32, device=dev)
@@ -185,7 +188,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 o = ns(full.view(params[mine].shape)).float().reshape(-1)
                 back = torch.cat([o[i] for i in idx_all])
             got = torch.empty(sum(send_split), dtype=torch.float32, device=dev)
-            dist.all_to_all_single(got, back, send_split, recv_split)
+            dist.all_to_all_single(got, back, send_split, recv_split, group=g)
             for i, piece in zip(chunk, got.split(send_split[:len(chunk)])):
                 out[i] = piece
         return out
@@ -194,7 +197,8 @@ class MuonAdamW(torch.optim.Optimizer):
         """Flat global indices of every rank's local shard of params[mine] (once per round, then cached)."""
         key = id(params[chunk[0]])
         if key not in self._index:
-            world, dev = dist.get_world_size(), params[chunk[0]].to_local().device
+            g = self.group
+            world, dev = dist.get_world_size(g), params[chunk[0]].to_local().device
             own = []
             for i in chunk:  # this rank's piece, split exactly as DTensor splits (no communication)
                 p = params[i]
@@ -205,10 +209,10 @@ class MuonAdamW(torch.optim.Optimizer):
                            .reshape(-1))
             sizes = torch.tensor([len(i) for i in own] + [0] * (world - len(chunk)), device=dev)
             all_sizes = torch.empty(world * world, dtype=torch.int64, device=dev)
-            _all_gather_single(all_sizes, sizes)
-            recv_split = all_sizes.view(world, world)[:, dist.get_rank()].tolist()
+            _all_gather_single(all_sizes, sizes, group=g)
+            recv_split = all_sizes.view(world, world)[:, dist.get_rank(g)].tolist()
             recv = torch.empty(sum(recv_split), dtype=torch.int64, device=dev)
-            dist.all_to_all_single(recv, torch.cat(own), recv_split, sizes.tolist())
+            dist.all_to_all_single(recv, torch.cat(own), recv_split, sizes.tolist(), group=g)
             self._index[key] = list(recv.split(recv_split)) if mine is not None else []
         return self._index[key]
 

@@ -172,7 +172,7 @@ def scale_lr(scheduler: torch.optim.lr_scheduler.LambdaLR, factor: float) -> Non
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, fused: bool = True,
-                    batch_schedule: list[tuple[int, int]] = ((0, 1),)):
+                    batch_schedule: list[tuple[int, int]] = ((0, 1),), group=None):
     """(optimizer, LambdaLR over all its param groups) for model, by cfg.name, scheduled to total_steps.
 
     batch_schedule: TrainConfig.batch_schedule(), which turns the steps after the warmup into
@@ -184,7 +184,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, 
     mup/completep (model.args) each parameter's LR multiplier, decay and eps come from
     nn/parametrization.py, the hidden matrices in groups of their own (sp: the groups above). fused: the fused
     AdamW kernel (CUDA, and CPU since torch 2.4); pass False when the parameters live in CPU
-    memory under CUDA offloading.
+    memory under CUDA offloading. group: the ranks that hold the same parameters, over which a
+    Muon step is collective (None: every rank; under pipeline parallelism, the stage's).
     """
     named = list(model.named_parameters())
     args = getattr(model, "args", None)  # model.ModelArgs; a model without it trains under sp
@@ -202,7 +203,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, 
         groups[key]["params"].append(p)
     if cfg.name == "muon":
         optimizer = MuonAdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                              momentum=cfg.muon_momentum, fused=fused)
+                              momentum=cfg.muon_momentum, fused=fused, group=group)
     else:
         optimizer = torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                       fused=fused or None)

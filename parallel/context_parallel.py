@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from core.errors import SetupError
 from model import SequenceLayout, Transformer, attention, slice_layout
 from nn.moe import MoE
+from parallel.pipeline_stages import PassThrough
 
 
 def check_cp_layout(cp: int, tp: int, seq_len: int, n_heads: int, n_kv_heads: int, eval_tasks: bool) -> None:
@@ -103,6 +104,8 @@ def apply_ulysses(model: Transformer, cp_mesh: DeviceMesh) -> None:
     MoE feed-forward the sum over the CP group that its sequence-wise balance loss needs (MoE.sequence_sum)."""
     fn = functools.partial(ulysses_attention, cp=cp_mesh.size(), group=cp_mesh.get_group())
     for block in model.layers:
+        if isinstance(block, PassThrough):  # another pipeline stage's
+            continue
         block.attention.attend = fn
         if isinstance(block.feed_forward, MoE):
             block.feed_forward.sequence_sum = functools.partial(_sum_over, group=cp_mesh.get_group())

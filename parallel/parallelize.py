@@ -30,7 +30,7 @@ from nn.moe import MoE
 from parallel import float8
 from parallel.context_parallel import apply_ulysses
 from parallel.expert_parallel import apply_expert_parallel, shard_experts
-from parallel.pipeline import PassThrough, prune
+from parallel.pipeline_stages import PassThrough, prune, rank_stages, stage_modules, stages_per_rank
 
 TPPlan = dict[str, ParallelStyle]
 """A tensor-parallel plan: module name pattern (e.g. 'layers.*.attention.wq') -> its style."""
@@ -57,7 +57,9 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel stages (parallel/pipeline.py): the blocks split into pp contiguous stages, one per rank of a pipeline group, the outermost mesh dimension (so its point-to-point traffic is what crosses nodes). Both scripts; world = pp x data-parallel x cp x tp."""
     pp_schedule: str = "1F1B"
-    """torch.distributed.pipelining's schedule by its name: 1F1B (the default: at most pp micro-batches' activations in flight) or GPipe (all of them); docs/pipeline.md."""
+    """torch.distributed.pipelining's schedule by its name: 1F1B (the default: at most pp micro-batches' activations in flight), GPipe (all of them), Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV (several stages per rank, a smaller bubble); docs/pipeline.md."""
+    pp_stages_per_rank: int = 0
+    """Stages each pipeline rank runs (the model is split into pp x this many): 0 means 1 for 1F1B and GPipe, 2 for the interleaved and V-shaped schedules (which need 2 or more; ZBVZeroBubble and DualPipeV exactly 2)."""
     pp_microbatches: int = 0
     """Micro-batches each data-parallel rank's share of the step is split into for the pipeline (>= pp, dividing that share); 0: the largest divisor of the share up to 4 x pp. They replace train.micro_batch_size's gradient accumulation."""
 
@@ -68,6 +70,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.pp < 1:
             raise ConfigError(f"parallel.pp must be >= 1, got {self.pp}")
+        if self.pp_stages_per_rank < 0:
+            raise ConfigError(f"parallel.pp_stages_per_rank must be >= 0 (0: the schedule's default), got "
+                              f"{self.pp_stages_per_rank}")
         if self.pp_microbatches < 0:
             raise ConfigError(f"parallel.pp_microbatches must be >= 0 (0: chosen from the batch), got {self.pp_microbatches}")
         if self.ep < 1:
@@ -170,7 +175,18 @@ def build_mesh(device: torch.device, world_size: int, tp: int = 1, dp_replicate:
     dp_mesh(mesh)
     fsdp_mesh(mesh)
     loss_mesh(mesh)
+    stage_group(mesh)
     return mesh
+
+
+def stage_group(mesh: DeviceMesh):
+    """The process group of the ranks that hold the same parameters (a Muon step's, optimization/muon.py): None
+    (every rank), or under pipeline parallelism this rank's stage's, every mesh dimension but "pp"."""
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names:
+        return None
+    rest = tuple(n for n in names if n != "pp")
+    return (mesh[rest]._flatten("stage") if len(rest) > 1 else mesh[rest[0]]).get_group()
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -258,7 +274,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
     names = mesh.mesh_dim_names or ()
     if "tp" in names:
         # src_data_rank=None: nothing is copied; init_weights fills the shards afterwards.
-        parallelize_module(model, mesh["tp"], with_moe(tp_plan, model), src_data_rank=None)
+        parallelize_module(model, mesh["tp"], plan_for(tp_plan, model), src_data_rank=None)
     if float8_recipe != "off":
         # Float8 swaps the blocks' Linear modules, so it comes before everything that wraps or
         # traces them: activation checkpointing must recompute the float8 casts (and the
@@ -288,14 +304,16 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if "ep" in names:  # before the blocks, which then leave the experts to their own group
         shard_experts(model, **{**kwargs, "mesh": expert_mesh(mesh)})
-    blocks = stage_blocks(model)
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    if cfg.prefetch > 1:  # depth 1 is FSDP2's implicit prefetch
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch):i][::-1])
+    # Each pipeline stage is its own FSDP root (the model itself, without PP or with one stage per rank).
+    for _, root in stage_modules(model):
+        blocks = stage_blocks(root)
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(root, **kwargs)
+        if cfg.prefetch > 1:  # depth 1 is FSDP2's implicit prefetch
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch])
+                block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch):i][::-1])
 
 
 def stage_blocks(model: Transformer) -> list[torch.nn.Module]:
@@ -303,8 +321,9 @@ def stage_blocks(model: Transformer) -> list[torch.nn.Module]:
     return [b for b in model.layers if not isinstance(b, PassThrough)]
 
 
-def with_moe(plan: TPPlan, model: Transformer) -> TPPlan:
-    """plan with its "layers.*.feed_forward..." entries kept for the dense blocks only, and each MoE block's
+def plan_for(plan: TPPlan, model: Transformer) -> TPPlan:
+    """plan as it applies to model: its "layers.*" entries written out for each block the model holds (a pipeline
+    stage's, pipeline_stages.prune), its other entries for the modules it holds, and each MoE block's
     feed-forward computed whole on every TP rank of its group.
 
     The MoE's input, sharded on the sequence between blocks, is all-gathered over TP, the router
@@ -313,18 +332,17 @@ def with_moe(plan: TPPlan, model: Transformer) -> TPPlan:
     rank's part of the sequence. Exact, at the cost of repeating the MoE's compute tp times
     (docs/moe.md).
     """
-    moe = {i for i, block in enumerate(model.layers) if isinstance(block.feed_forward, MoE)}
-    if not moe:
-        return plan
-    out = {k: v for k, v in plan.items() if not k.startswith("layers.*.feed_forward")}
-    for i in range(len(model.layers)):
-        if i in moe:
+    out = {k: v for k, v in plan.items() if not k.startswith("layers.*.") and getattr(model, k.split(".")[0]) is not None}
+    for i, block in enumerate(model.layers):
+        if isinstance(block, PassThrough):
+            continue
+        moe = isinstance(block.feed_forward, MoE)
+        out.update({k.replace("layers.*.", f"layers.{i}.", 1): v for k, v in plan.items()
+                    if k.startswith("layers.*.") and not (moe and k.startswith("layers.*.feed_forward"))})
+        if moe:
             out[f"layers.{i}.feed_forward"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
-        else:
-            out.update({k.replace("layers.*.", f"layers.{i}.", 1): v for k, v in plan.items()
-                        if k.startswith("layers.*.feed_forward")})
     return out
 
 
@@ -359,7 +377,8 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, device: torch.device, seed: i
     with torch.device("meta"):
         model = Transformer(args)
     if "pp" in (mesh.mesh_dim_names or ()):
-        prune(model, mesh["pp"].get_local_rank(), mesh["pp"].size())
+        pp, v = mesh["pp"].size(), stages_per_rank(cfg.pp_schedule, cfg.pp_stages_per_rank)
+        prune(model, rank_stages(mesh["pp"].get_local_rank(), pp, v), pp * v)
     parallelize(model, mesh, cfg, dtype=dtype, activation_checkpointing=activation_checkpointing,
                 compile=compile, tp_plan=tp_plan, float8_recipe=float8_recipe)
     materialize(model, device, seed, cfg.cpu_offload)

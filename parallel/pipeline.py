@@ -1,68 +1,93 @@
-"""Pipeline parallelism (``parallel.pp``): the blocks split into pp stages, micro-batches run by torch.distributed.pipelining.
+"""Pipeline parallelism (``parallel.pp``): the blocks split into stages, micro-batches run by torch.distributed.pipelining.
 
-Each rank of a "pp" group (the mesh's outermost dimension, parallelize.build_mesh) holds one
-stage: the Transformer is built whole on the meta device and pruned (``prune``) before any
-other wrapping. The first stage keeps the embedding, the last the final norm and the output
-projection, and each keeps its own contiguous blocks; the other blocks become PassThrough
-modules without parameters. Names stay the full model's (``layers.7.attention.wq.weight``),
-so a DCP checkpoint written at one pp loads at any other. With n_layers = q pp + r, the first
-r stages hold q + 1 blocks and the others q (``stage_layers``).
+Which blocks each stage holds and which stages a rank runs: pipeline_stages.py (each rank
+builds the whole model on the meta device and prunes it to its stages, so names stay the full
+model's). The pipeline group is the mesh's outermost dimension (parallelize.build_mesh).
 
 The schedule is PyTorch's own (``torch.distributed.pipelining``): each data-parallel rank's
 share of the step's batch is split into parallel.pp_microbatches micro-batches, and the last
 stage takes the loss of each (``Pipeline.loss``): the summed token cross-entropy (plus the
 z-loss term) times the same factor dp / global targets as without PP, with the schedule's
 own gradient scaling off, so the gradients are exactly those of one process. Each stage is
-FSDP-sharded over its data-parallel ranks as a whole model is; the stage reduces its
-gradients once per step (the schedule drives FSDP's gradient sync). Validation runs the
-stages one after another on the whole batch (``Pipeline.forward_loss``).
+FSDP-sharded over its data-parallel ranks as a whole model is, as its own FSDP root; the
+schedule drives FSDP's gradient sync (once per step). Validation runs the stages one after
+another on the whole batch (``Pipeline.forward_loss``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.utils import _pytree as pytree
 
 from core.errors import SetupError
-from model import Transformer
-from nn.loss import logits_loss_sums
+from model import SequenceLayout, Transformer, slice_layout
+from nn.loss import logits_loss_sums, loss_context, nll_head
+from parallel.context_parallel import shard_batch
+from parallel.pipeline_stages import (
+    MULTI_STAGE,
+    SCHEDULES,
+    SINGLE_STAGE,
+    ZERO_BUBBLE,
+    rank_stages,
+    stage_modules,
+    stages_per_rank,
+)
 
-SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
-"""The schedules run here, by torch.distributed.pipelining's names: one stage per rank."""
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""torch.distributed.pipelining's schedules with several stages per rank: refused until built (docs/pipeline.md)."""
+# The schedule splits keyword inputs into micro-batches by the tensors they hold: a CP slice's positions (batch,
+# slice) split along the batch like the tokens.
+pytree.register_dataclass(SequenceLayout)
 
 
 def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_batch: int, dp: int = 1,
-             micro_batch_size: int = 1) -> None:
+             micro_batch_size: int = 1, per_rank: int = 0) -> None:
     """The PP checks that need no collective; raises SetupError naming the numbers and the fix.
 
-    pp stages need at least one block each; the schedule must be one of SCHEDULES; the
-    micro-batches must be at least pp (fewer leave a stage idle for the whole step; 1F1B needs
-    them) and divide local_batch, the sequences each data-parallel rank runs per step; a
-    local_batch below pp is refused naming train.global_batch_size (dp data-parallel ranks, the
-    loader's train.micro_batch_size sequences at a time) and the smallest batch that works.
+    The schedule must be one of SCHEDULES and not a ZERO_BUBBLE one, with per_rank
+    (parallel.pp_stages_per_rank, 0: its default) stages per rank: 1 for 1F1B and GPipe, >= 2
+    for the others; pp x per_rank stages need a block each. The micro-batches must be at least
+    pp (fewer leave a stage idle for the whole step; 1F1B needs them), a multiple of their
+    rounds (m // pp) for Interleaved1F1B, and divide
+    local_batch, the sequences each data-parallel rank runs per step; a local_batch below pp is
+    refused naming train.global_batch_size (dp data-parallel ranks, the loader's
+    train.micro_batch_size sequences at a time) and the smallest batch that works.
     """
     if pp == 1:
         return
-    given, microbatches = microbatches, microbatches or default_microbatches(pp, local_batch)
-    if schedule in MULTI_STAGE:
-        raise SetupError(f"parallel.pp_schedule {schedule} runs several stages per rank, which is not built yet "
-                         f"(docs/pipeline.md); use one of {', '.join(SCHEDULES)}")
     if schedule not in SCHEDULES:
         raise SetupError(f"parallel.pp_schedule {schedule!r} is not a schedule here; use one of "
                          f"{', '.join(SCHEDULES)} (torch.distributed.pipelining's names)")
-    if pp > n_layers:
-        raise SetupError(f"parallel.pp ({pp}) is more than model.n_layers ({n_layers}): every stage needs a block; "
-                         f"use parallel.pp <= {n_layers}")
+    if schedule in ZERO_BUBBLE:
+        raise SetupError(f"parallel.pp_schedule {schedule} splits each backward into input and weight gradients, and "
+                         f"with FSDP here that loses part of the weight gradients (docs/pipeline.md); use "
+                         f"Interleaved1F1B (or LoopedBFS, 1F1B, GPipe)")
+    v = stages_per_rank(schedule, per_rank)
+    if schedule in SINGLE_STAGE and v != 1:
+        raise SetupError(f"parallel.pp_schedule {schedule} runs one stage per rank, and parallel.pp_stages_per_rank "
+                         f"is {v}; use parallel.pp_stages_per_rank 1 (or 0), or Interleaved1F1B for several")
+    if schedule in MULTI_STAGE and v < 2:
+        raise SetupError(f"parallel.pp_schedule {schedule} runs 2 or more stages per rank, and "
+                         f"parallel.pp_stages_per_rank is {v}; use parallel.pp_stages_per_rank 2 (or 0)")
+    if pp * v > n_layers:
+        what = f"parallel.pp ({pp})" if v == 1 else f"parallel.pp x parallel.pp_stages_per_rank ({pp} x {v})"
+        raise SetupError(f"{what} is more than model.n_layers ({n_layers}): every stage needs a block; use "
+                         f"{'parallel.pp <= ' + str(n_layers) if v == 1 else 'fewer stages or more layers'}")
+    given, microbatches = microbatches, microbatches or default_microbatches(pp, local_batch)
     if microbatches < pp:
         raise SetupError(f"parallel.pp_microbatches ({microbatches}) is fewer than parallel.pp ({pp}): a stage would "
                          f"wait the whole step; use parallel.pp_microbatches >= {pp} (4 x pp keeps the bubble small)")
+    rounds = max(1, microbatches // pp)
+    if schedule == "Interleaved1F1B" and microbatches % rounds:
+        raise SetupError(f"parallel.pp_schedule {schedule} runs the micro-batches in rounds of parallel.pp ({pp}): "
+                         f"parallel.pp_microbatches ({microbatches}) must be a multiple of {rounds}; use "
+                         f"{rounds * pp} or a multiple of {pp}")
     if local_batch < pp:
         fit = math.lcm(given or pp, micro_batch_size) * dp
         raise SetupError(f"train.global_batch_size gives each data-parallel rank {local_batch} sequence(s) per step, "
@@ -74,46 +99,26 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
                          f"data-parallel rank runs per step; use one of {fits} or change train.global_batch_size")
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    """The blocks of stage (0-based) of pp: contiguous, the first n_layers % pp stages one block more."""
-    q, r = divmod(n_layers, pp)
-    start = stage * q + min(stage, r)
-    return range(start, start + q + (stage < r))
-
-
-class PassThrough(nn.Module):
-    """A block another stage holds: returns the residual stream unchanged, holds no parameters."""
-
-    def forward(self, h: Tensor, *args, **kwargs) -> Tensor:
-        return h
-
-
-def prune(model: Transformer, stage: int, pp: int) -> None:
-    """Keep only stage's part of model (on the meta device, before any wrapping): see the module docstring."""
-    keep = stage_layers(len(model.layers), pp, stage)
-    for i in range(len(model.layers)):
-        if i not in keep:
-            model.layers[i] = PassThrough()
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < pp - 1:
-        model.norm = None
-        model.output = None
-
-
 @dataclasses.dataclass
 class Pipeline:
-    """This rank's stage and its schedule; the loss of the last stage is kept in ce_sum and z_sum."""
+    """This rank's stages and their schedule; the last stage's loss sums of the step are kept in sums."""
 
     model: Transformer
     schedule: object
     group: dist.ProcessGroup
-    stage: int
+    stages: list[tuple[int, nn.Module]]
+    """(stage index, module) of each stage this rank runs, ascending (pipeline_stages.stage_modules)."""
     n_stages: int
     z_loss: float = 0.0
     act_dtype: torch.dtype = torch.float32
     """The dtype of the residual stream stages pass on: the blocks' compute dtype (bf16 under mixed precision)."""
     n_microbatches: int = 1
+    stage_rank: dict = dataclasses.field(default_factory=dict)
+    """Stage index -> the pipeline rank that runs it."""
+    seq_split: int = 1
+    """The parts the sequence is split into between stages (tp under sequence parallelism)."""
+    context: Callable = contextlib.nullcontext
+    """The context the loss and its backward run in (loss_parallel under TP)."""
     scale: float = 1.0
     """The loss's factor for the step: data-parallel ranks / the global batch's targets (training/step.py)."""
     sums: list = dataclasses.field(default_factory=list)
@@ -121,11 +126,13 @@ class Pipeline:
 
     @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        """Whether this rank runs stage 0 (it feeds the tokens)."""
+        return self.stages[0][0] == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.n_stages - 1
+        """Whether this rank runs the last stage (it takes the loss)."""
+        return self.stages[-1][0] == self.n_stages - 1
 
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         """The schedule's loss_fn on the last stage: logits (mb, seq, vocab) fp32, labels (mb, seq) -> the objective
@@ -135,19 +142,22 @@ class Pipeline:
         self.sums.append(torch.stack([objective.detach() - self.z_loss * z_sum, z_sum]))
         return objective * self.scale
 
-    def forward_backward(self, micro_batches, n_targets: int, dp_size: int, device) -> tuple[Tensor, Tensor]:
-        """training/step.forward_backward under PP: this data-parallel rank's micro-batches joined, run through the
-        schedule. Returns (summed token cross-entropy, summed logsumexp^2) of this data-parallel rank's batch on
-        every stage (collective over the pp group)."""
+    def forward_backward(self, micro_batches, n_targets: int, dp_size: int, device,
+                         mesh: DeviceMesh | None = None) -> tuple[Tensor, Tensor]:
+        """training/step.forward_backward under PP: this data-parallel rank's micro-batches joined (under CP, this
+        rank's slice of them: context_parallel.shard_batch, with mesh), run through the schedule. Returns (summed
+        token cross-entropy, summed logsumexp^2) of this rank's part of the batch on every stage (collective over
+        the pp group)."""
         inputs = torch.cat([i for i, _ in micro_batches]).to(device, non_blocking=True)
         labels = torch.cat([t for _, t in micro_batches]).to(device, non_blocking=True)
+        inputs, labels, layout = shard_batch(self.model, inputs, labels, mesh)
+        layout = self.documents(inputs, layout)
         self.scale, self.sums = dp_size / n_targets, []
-        if self.is_first:
-            self.schedule.step(inputs, target=labels if self.is_last else None)
-        elif self.is_last:
-            self.schedule.step(target=labels)
-        else:
-            self.schedule.step()
+        args = (inputs,) if self.is_first else ()
+        # Every stage's blocks take the RoPE positions (and documents); the schedule splits them with the batch.
+        kwargs = {"layout": layout} if layout is not None else {}
+        with self.context():
+            self.schedule.step(*args, target=labels if self.is_last else None, return_outputs=False, **kwargs)
         # The first step's schedule also calls loss_fn to infer the shapes of the gradients: the micro-batches'
         # calls are the last n_microbatches.
         mine = self.sums[-self.n_microbatches:] if self.is_last else []
@@ -155,21 +165,50 @@ class Pipeline:
         dist.all_reduce(sums, group=self.group)  # the last stage's, on every stage
         return sums[0], sums[1]
 
-    @torch.no_grad()
-    def forward_loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
-        """Summed token cross-entropy of a batch (batch, seq), fp32 0-dim: on the last stage, 0 on the others.
+    def documents(self, inputs: Tensor, layout: SequenceLayout | None) -> SequenceLayout | None:
+        """layout, or under model.document_mask without CP the whole windows' (model.slice_layout of inputs
+        (batch, seq) int64): the stages after the first see no tokens to find the documents in."""
+        args = self.model.args
+        if layout is None and args.document_mask:
+            return slice_layout(inputs, 0, inputs.shape[1], True, args.eot_id)
+        return layout
 
-        Forward only, the whole batch at once, stage after stage (point-to-point over the pp group).
+    @torch.no_grad()
+    def run(self, inputs: Tensor, layout: SequenceLayout | None = None, head=None) -> Tensor | None:
+        """The last stage's output (fp32 logits, or head(output, h) as Transformer.forward takes head) of a batch
+        (batch, seq) of tokens, on the rank that runs the last stage; None on the others.
+
+        Forward only, the whole batch at once, stage after stage: each rank runs its stages in
+        order, receiving from the previous stage's rank and sending to the next one's (point to
+        point over the pp group; stages on the same rank hand over directly). layout: under CP,
+        the slice's (context_parallel.shard_batch); under the document mask it is found here.
         """
-        h = inputs
-        if not self.is_first:
-            h = torch.empty(*inputs.shape, self.model.args.dim, dtype=self.act_dtype, device=inputs.device)
-            dist.recv(h, group=self.group, group_src=self.stage - 1)
-        out = self.model(h)
-        if not self.is_last:
-            dist.send(out.contiguous(), group=self.group, group_dst=self.stage + 1)
+        h, layout = inputs, self.documents(inputs, layout)
+        for index, module in self.stages:
+            if index > 0 and self.stage_rank[index - 1] != self.stage_rank[index]:
+                b, t = inputs.shape
+                h = torch.empty(b, t // self.seq_split, self.model.args.dim, dtype=self.act_dtype, device=inputs.device)
+                dist.recv(h, group=self.group, group_src=self.stage_rank[index - 1])
+            last = index == self.n_stages - 1
+            h = module(h, layout=layout, head=head) if last else module(h, layout=layout)
+            if not last and self.stage_rank[index + 1] != self.stage_rank[index]:
+                dist.send(h.contiguous(), group=self.group, group_dst=self.stage_rank[index + 1])
+        return h if self.is_last else None
+
+    def forward_loss(self, inputs: Tensor, labels: Tensor, layout: SequenceLayout | None = None) -> Tensor:
+        """Summed token cross-entropy of a batch (batch, seq), fp32 0-dim: on the last stage's rank, 0 on the others
+        (run)."""
+        logits = self.run(inputs, layout)
+        if logits is None:
             return torch.zeros((), device=inputs.device)
-        return logits_loss_sums(out, labels).objective
+        return logits_loss_sums(logits, labels).objective  # under the caller's loss context (validation's)
+
+    def token_logprobs(self, inputs: Tensor, targets: Tensor, vocab_parallel: bool = False) -> Tensor:
+        """nn.loss.token_logprobs through the stages: (batch, seq) fp32 on every rank (collective over the pp group)."""
+        nll = self.run(inputs, head=nll_head(targets, vocab_parallel))
+        logp = -nll if nll is not None else torch.zeros(targets.shape, device=targets.device)
+        dist.all_reduce(logp, group=self.group)  # the last stage's, on every stage
+        return logp
 
 
 def default_microbatches(pp: int, local_batch: int) -> int:
@@ -177,14 +216,24 @@ def default_microbatches(pp: int, local_batch: int) -> int:
     return max([m for m in range(1, min(4 * pp, local_batch) + 1) if local_batch % m == 0 and m >= pp] or [pp])
 
 
-def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, device: torch.device, schedule: str,
+def build_pipeline(model: Transformer, mesh: DeviceMesh, device: torch.device, schedule: str,
                    microbatches: int, z_loss: float, act_dtype: torch.dtype) -> Pipeline:
-    """The Pipeline of model (pruned to this rank's stage and parallelized) over pp_mesh (1-D, "pp")."""
-    stage, n = pp_mesh.get_local_rank(), pp_mesh.size()
-    group = pp_mesh.get_group()
-    pipe = Pipeline(model, None, group, stage, n, z_loss, act_dtype, microbatches)
-    pipeline_stage = PipelineStage(model, stage, n, device, group=group)
-    # loss_fn on every stage: the schedule runs a backward only when it has one (only the last calls it)
-    pipe.schedule = SCHEDULES[schedule](pipeline_stage, microbatches, loss_fn=pipe.loss,
-                                        scale_grads=False)
+    """The Pipeline of model (pruned to this rank's stages and parallelized) over mesh's "pp" dimension.
+
+    Under TP the stages pass on this rank's part of the sequence (sequence parallelism), and the
+    loss and its backward run under loss_parallel (nn.loss.loss_context).
+    """
+    pp_mesh = mesh["pp"]
+    group, pp = pp_mesh.get_group(), pp_mesh.size()
+    stages = stage_modules(model)
+    n_stages = pp * len(stages)
+    stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(stages))}
+    tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+    pipe = Pipeline(model, None, group, stages, n_stages, z_loss, act_dtype, microbatches, stage_rank,
+                    seq_split=tp, context=loss_context(mesh))
+    built = [PipelineStage(module, index, n_stages, device, group=group) for index, module in stages]
+    # loss_fn on every rank: the schedule runs a backward only when it has one (only the last stage calls it)
+    cls = schedules.get_schedule_class(schedule)
+    pipe.schedule = (cls(built[0], microbatches, loss_fn=pipe.loss, scale_grads=False) if schedule in SINGLE_STAGE
+                     else cls(built, microbatches, loss_fn=pipe.loss, scale_grads=False))
     return pipe

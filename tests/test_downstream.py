@@ -156,20 +156,22 @@ def _scores(records: list[dict], step: int) -> dict:
 
 
 @pytest.mark.slow
-def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp(tmp_path, capsys):
+def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_and_pp(tmp_path, capsys):
     cfg, yaml_dir = _write_tasks(tmp_path)
     run = ["--config", cfg, "--train.steps", "10", "--checkpoint.interval", "10", "--train.val_interval", "0"]
-    one, two, tp2 = tmp_path / "ws1", tmp_path / "ws2", tmp_path / "dp1tp2"
-    for rd in (one, two, tp2):
+    one, two, tp2, pp2 = tmp_path / "ws1", tmp_path / "ws2", tmp_path / "dp1tp2", tmp_path / "pp2"
+    for rd in (one, two, tp2, pp2):
         prepared_data_dir(rd)  # the session's tokenized debug corpus: no tokenizer training per run
     torchrun(1, "train_fsdp.py", *run, "--run_dir", str(one))
     torchrun(2, "train_fsdp.py", *run, "--run_dir", str(two))
     torchrun(2, "train_2d.py", *run, "--run_dir", str(tp2), "--parallel.tp", "2")  # vocabulary-parallel logits
+    torchrun(2, "train_fsdp.py", *run, "--run_dir", str(pp2), "--parallel.pp", "2")  # scored stage after stage
     ours = {step: _scores(metrics(one), step) for step in (5, 10)}
     assert set(ours[10]) == {f"eval/{t}/{m}" for t in TASKS for m in ("acc", "acc_norm")}, ours
     assert ours[5] and ours[5] != ours[10]
     assert {step: _scores(metrics(two), step) for step in (5, 10)} == ours
     assert {step: _scores(metrics(tp2), step) for step in (5, 10)} == ours
+    assert {step: _scores(metrics(pp2), step) for step in (5, 10)} == ours
 
     export = tmp_path / "export"
     subprocess.run([sys.executable, "hf.py", "export", "--run_dir", str(one), "--out", str(export)], cwd=ROOT,

@@ -6,7 +6,6 @@ import re
 import pytest
 import torch
 
-import train_2d
 import train_fsdp
 from launch import (
     DEBUG,
@@ -22,7 +21,7 @@ from launch import (
     wait_for_step,
 )
 from model import ModelArgs, Transformer
-from parallel.pipeline import PassThrough, prune, stage_layers
+from parallel.pipeline_stages import PassThrough, prune, rank_stages, stage_layers, stage_modules
 
 MHA = ["--model.n_kv_heads", "4"]
 
@@ -40,51 +39,87 @@ def test_a_pruned_stage_keeps_the_full_models_names_and_only_its_part():
     parts = []
     for stage in range(2):
         m = Transformer(args)
-        prune(m, stage, 2)
+        prune(m, [stage], 2)
         parts.append(set(m.state_dict()))
         assert isinstance(m.layers[2 if stage == 0 else 0], PassThrough)
     assert parts[0] | parts[1] == full and not parts[0] & parts[1]
     assert "tok_embeddings.weight" in parts[0] and "output.weight" in parts[1] and "norm.weight" in parts[1]
 
 
+def test_stages_run_in_turn_across_ranks_give_the_whole_models_logits():
+    # 4 stages on 2 ranks, as Interleaved1F1B runs them: rank 0 stages 0 and 2, rank 1 stages 1 and 3.
+    args = ModelArgs(dim=32, n_layers=5, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=48, max_seq_len=16)
+    full = Transformer(args)
+    ranks = []
+    for r in range(2):
+        m = Transformer(args)
+        prune(m, rank_stages(r, 2, 2), 4)
+        m.load_state_dict({k: v for k, v in full.state_dict().items() if k in m.state_dict()})
+        ranks.append(dict(stage_modules(m)))
+    assert [sorted(ranks[0]), sorted(ranks[1])] == [[0, 2], [1, 3]]
+    assert "tok_embeddings.weight" in ranks[0][0].state_dict() and "output.weight" in ranks[1][3].state_dict()
+    assert set(ranks[0][2].state_dict()) == {k for k in full.state_dict() if k.startswith("layers.3.")}
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    h = tokens
+    for s in range(4):
+        h = ranks[s % 2][s](h)
+    torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
+
+
 PP_LAYOUTS = {
-    "pp2-1f1b": (2, ["--parallel.pp", "2"]),
-    "pp2-gpipe": (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.pp_microbatches", "4"]),
-    "pp2-fsdp2": (4, ["--parallel.pp", "2"]),
-    "pp4": (4, ["--parallel.pp", "4", "--model.n_layers", "4"]),
+    "pp2-1f1b": (2, 1, ["--parallel.pp", "2"]),
+    "pp2-gpipe": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.pp_microbatches", "4"]),
+    "pp2-interleaved": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
+    "pp2-looped-bfs": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "LoopedBFS"]),
+    "pp2-fsdp2": (4, 1, ["--parallel.pp", "2"]),
+    "pp4": (4, 1, ["--parallel.pp", "4"]),
+    "pp2-tp2": (4, 2, ["--parallel.pp", "2"]),
+    "pp2-tp2-interleaved": (4, 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
+    "pp2-cp2": (4, 1, ["--parallel.pp", "2", "--parallel.cp", "2"]),
+    "pp2-interleaved-docmask": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
+    "pp2-fsdp2-interleaved-muon": (4, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
 }
-"""id: (ranks, flags): 1F1B and GPipe over 2 stages, 2 stages x FSDP 2, 4 stages of one block each."""
+"""id: (ranks, tp, flags): 1F1B and GPipe over 2 stages; 2 stages per rank (Interleaved1F1B, LoopedBFS: 4 stages of
+one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
+named "-docmask" or "-muon" and its 1-rank reference both run with model.document_mask or optim.name muon
+(SHARED)."""
+SHARED = {"docmask": ["--model.document_mask", "true"], "muon": ["--optim.name", "muon"]}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", PP_LAYOUTS)
 def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
-    worker.prefetch([(1, 1, *MHA, "--model.n_layers", "4")]
-                    + [(n, 1, *MHA, "--model.n_layers", "4", *flags) for n, flags in PP_LAYOUTS.values()])
-    n, flags = PP_LAYOUTS[layout]
-    one, other = worker(1, 1, *MHA, "--model.n_layers", "4"), worker(n, 1, *MHA, "--model.n_layers", "4", *flags)
+    def model(name):
+        return [*MHA, "--model.n_layers", "4", *(f for k, v in SHARED.items() if k in name for f in v)]
+    worker.prefetch([(1, 1, *model(k)) for k in PP_LAYOUTS] + [(n, tp, *model(k), *more)
+                                                                for k, (n, tp, more) in PP_LAYOUTS.items()])
+    n, tp, more = PP_LAYOUTS[layout]
+    flags = model(layout)
+    one, other = worker(1, 1, *flags), worker(n, tp, *flags, *more)
     assert one["losses"] == pytest.approx(other["losses"], rel=1e-5, abs=0)
     assert one["grad_norms"] == pytest.approx(other["grad_norms"], rel=1e-5, abs=0)  # every stage's gradients
-    for g1, g2 in zip(one["grads"], other["grads"]):  # rank 0's: the first stage's parameters
+    for g1, g2 in zip(one["grads"], other["grads"]):  # rank 0's: the first stage's parameters (and the third's)
         assert g2 and set(g2) < set(g1) and "tok_embeddings.weight" in g2
         for name in g2:
             torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.slow
-def test_sigkill_at_pp_2_then_resume_on_1_rank_gives_the_uninterrupted_losses_and_val_loss(tmp_path):
+def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninterrupted_losses_and_val_loss(tmp_path):
     args = ["--config", DEBUG, "--train.steps", "6", "--checkpoint.interval", "2", "--train.val_interval", "3",
             *MHA]
     ref, rd = tmp_path / "ref", tmp_path / "killed"
     for d in (ref, rd):
         prepared_data_dir(d)
     torchrun(1, "train_fsdp.py", *args, "--run_dir", str(ref))
-    p = spawn(torchrun_command(2, "train_fsdp.py", *args, "--run_dir", str(rd), "--parallel.pp", "2"),
-              tmp_path / "killed.log")
-    wait_for_step(rd, 3, p)
-    kill_tree(p.pid)
-    assert p.wait(timeout=120) != 0, "the run finished before it was killed"
-    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(rd))  # both stages' parameters, whole on 1 rank
+    legs = [(2, "train_fsdp.py", ["--parallel.pp", "2"], 3),  # killed after step 3: resumes from step 2
+            (4, "train_2d.py", ["--parallel.pp", "2", "--parallel.tp", "2"], 5)]  # from step 2, killed after 5
+    for i, (n, script, flags, step) in enumerate(legs):
+        p = spawn(torchrun_command(n, script, *args, "--run_dir", str(rd), *flags), tmp_path / f"killed{i}.log")
+        wait_for_step(rd, step, p)
+        kill_tree(p.pid)
+        assert p.wait(timeout=120) != 0, f"leg {i} finished before it was killed"
+    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(rd))  # every stage's parameters, whole on 1 rank
     want, got = losses(ref), losses(rd)
     assert sorted(got) == list(range(1, 7))
     assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-5
@@ -92,7 +127,7 @@ def test_sigkill_at_pp_2_then_resume_on_1_rank_gives_the_uninterrupted_losses_an
     def vals(d):
         return {r["step"]: r["val_loss"] for r in metrics(d) if "val_loss" in r}
     assert vals(rd).keys() == vals(ref).keys() == {3, 6}
-    assert vals(rd) == pytest.approx(vals(ref), rel=1e-5)  # step 3 validated through the pipeline
+    assert vals(rd) == pytest.approx(vals(ref), rel=1e-5)  # step 3 validated through the pipeline (x TP)
 
 
 @pytest.mark.parametrize("world, argv, msg", [
@@ -105,11 +140,20 @@ def test_sigkill_at_pp_2_then_resume_on_1_rank_gives_the_uninterrupted_losses_an
                                                                     "16 sequences each data-parallel rank runs per "
                                                                     "step; use one of [2, 4, 8, 16]"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Zippy"], "parallel.pp_schedule 'Zippy' is not a schedule "
-                                                                    "here; use one of 1F1B, GPipe"),
-    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"], "runs several stages per rank, which is "
-                                                                              "not built yet"),
-    (2, ["--parallel.pp", "2", "--optim.name", "muon"], "parallel.pp 2 does not run with optim.name muon yet"),
-    (4, ["--parallel.pp", "2", "--parallel.cp", "2"], "parallel.pp 2 does not run with parallel.cp yet"),
+                                                                    "here; use one of 1F1B, GPipe, Interleaved1F1B, "
+                                                                    "LoopedBFS, InterleavedZeroBubble"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble"], "loses part of the weight gradients "
+                                                                            "(docs/pipeline.md); use Interleaved1F1B"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_stages_per_rank", "2"], "parallel.pp_schedule 1F1B runs one stage per "
+                                                                       "rank, and parallel.pp_stages_per_rank is 2"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "1"],
+     "parallel.pp_schedule Interleaved1F1B runs 2 or more stages per rank, and parallel.pp_stages_per_rank is 1"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--model.n_layers", "3"],
+     "parallel.pp x parallel.pp_stages_per_rank (2 x 2) is more than model.n_layers (3)"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "5"],
+     "parallel.pp_microbatches (5) must be a multiple of 2; use 4 or a multiple of 2"),
+    (2, ["--parallel.pp", "2", "--train.loss_chunk_size", "64"], "parallel.pp 2 does not run with "
+                                                                  "train.loss_chunk_size yet"),
     (2, ["--parallel.pp", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
      "parallel.pp 2 does not run with model.n_experts yet"),
     (2, ["--parallel.pp", "0"], "parallel.pp must be >= 1, got 0"),
@@ -155,10 +199,3 @@ def test_pipeline_with_batch_stages_is_refused_before_it_aborts_at_the_first_lar
                                          "--parallel.pp", "2", *MHA], capsys)
     assert "parallel.pp 2 does not run with [[train.batch_stages]] yet (docs/pipeline.md)" in line, line
     assert not os.path.exists(tmp_path / "run")
-
-
-def test_pipeline_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
-    with before_any_collective(monkeypatch, 4):
-        line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
-                                       "--parallel.pp", "2", *MHA], capsys)
-    assert "parallel.pp 2 does not run with parallel.tp yet (docs/pipeline.md)" in line, line

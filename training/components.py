@@ -144,7 +144,7 @@ class Scoring:
     def run(self, step: int, result: StepResult) -> None:
         s, data_parallel = self.s, dp_mesh(self.s.mesh)
         record = evaluate_tasks(s.model, s.tasks, s.device, s.mesh, data_parallel.get_local_rank(), s.dp,
-                                data_parallel.get_group(), s.micro_batch_size * s.cfg.data.seq_len)
+                                data_parallel.get_group(), s.micro_batch_size * s.cfg.data.seq_len, s.pipeline)
         self.log.write({"step": step, **record})
         self.progress.write(f"[eval] step {step}: " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in record.items()))
 

@@ -24,7 +24,7 @@ from optimization.optimizers import build_optimizer
 from optimization.spike import push, spike_reason
 from parallel import distributed, float8
 from parallel.context_parallel import shard_batch
-from parallel.parallelize import TPPlan, build_model, dp_mesh, loss_mesh
+from parallel.parallelize import TPPlan, build_model, dp_mesh, loss_mesh, stage_group
 from parallel.pipeline import Pipeline, build_pipeline, default_microbatches
 
 
@@ -242,7 +242,7 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     ranks = loss_mesh(s.mesh).size()  # the data-parallel x CP ranks FSDP averages gradients over
     moe = MoEStats.of(s.model, s.device)
     if s.pipeline is not None:
-        loss_sum, z_sum = s.pipeline.forward_backward(micro_batches, n_targets, ranks, s.device)
+        loss_sum, z_sum = s.pipeline.forward_backward(micro_batches, n_targets, ranks, s.device, s.mesh)
     else:
         loss_sum, z_sum = forward_backward(s.model, micro_batches, n_targets, ranks, s.device, s.mesh,
                                            t.loss_chunk_size, t.z_loss, moe)
@@ -324,13 +324,13 @@ def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.devi
                             activation_checkpointing=t.activation_checkpointing, compile=t.compile, tp_plan=tp_plan,
                             float8_recipe=t.float8)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.steps, fused=not cfg.parallel.cpu_offload,
-                                           batch_schedule=t.batch_schedule())
+                                           batch_schedule=t.batch_schedule(), group=stage_group(mesh))
     pipeline = None
     if "pp" in (mesh.mesh_dim_names or ()):
         p = cfg.parallel
         local = t.global_batch_size // dp_mesh(mesh).size()
         dtype = torch.bfloat16 if compute_dtype(t, device) == "bfloat16" else torch.float32
-        pipeline = build_pipeline(model, mesh["pp"], device, p.pp_schedule,
+        pipeline = build_pipeline(model, mesh, device, p.pp_schedule,
                                   p.pp_microbatches or default_microbatches(p.pp, local), t.z_loss, dtype)
     return Trainable(cfg, rank, device, mesh, dp_mesh(mesh).size(), model, optimizer, scheduler, TrainState(),
                      pipeline)
