@@ -14,12 +14,20 @@ def test_dry_run_prints_one_line_per_check_and_every_speed_row(capsys):
     assert gpu_check.main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.rstrip().splitlines()
     assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == gpu_check.NAMES
-    assert gpu_check.NAMES == ["nccl", "bf16", "flex", "chunked", "cp", "offload", "float8", "snapshot", "moe", "speed", "goals"]
+    assert gpu_check.NAMES == ["nccl", "bf16", "flex", "chunked", "cp", "pp", "ep", "offload", "float8", "snapshot", "moe",
+                               "speed", "goals"]
     speed = next(line for line in lines if line.startswith("speed:"))
     assert "llama3_1b" in speed and "10 timed steps" in speed
     rows = [line.strip() for line in lines if line.startswith("  speed row: ")]
     assert len(rows) == 12 and rows[0] == "speed row: seq 2048, bf16, loss full"
     assert "speed row: seq 8192, rowwise, loss chunks of 4096" in rows
+
+
+def test_the_multi_gpu_checks_skip_with_fewer_than_2_gpus():
+    import gpu_train_checks
+    for check in (gpu_train_checks.check_cp, gpu_train_checks.check_pp, gpu_train_checks.check_ep):
+        ok, text = check()
+        assert ok and text.startswith("skipped: needs 2 GPUs"), text
 
 
 def test_only_runs_checks_in_the_table_order(capsys):
