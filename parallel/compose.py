@@ -37,7 +37,6 @@ def check_moe(cfg, world_size: int = 0) -> None:
 
 
 PIPELINE_REFUSED = {
-    "model.n_experts": lambda c: c.model.n_experts > 0,
     "train.loss_chunk_size": lambda c: c.train.loss_chunk_size > 0,
     "train.float8": lambda c: c.train.float8 != "off",
     # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.

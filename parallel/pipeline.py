@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -30,6 +31,7 @@ from torch.utils import _pytree as pytree
 from core.errors import SetupError
 from model import SequenceLayout, Transformer, slice_layout
 from nn.loss import logits_loss_sums, loss_context, nll_head
+from nn.moe import moe_layers
 from parallel.context_parallel import shard_batch
 from parallel.pipeline_stages import (
     MULTI_STAGE,
@@ -143,11 +145,12 @@ class Pipeline:
         return objective * self.scale
 
     def forward_backward(self, micro_batches, n_targets: int, dp_size: int, device,
-                         mesh: DeviceMesh | None = None) -> tuple[Tensor, Tensor]:
+                         mesh: DeviceMesh | None = None, moe=None) -> tuple[Tensor, Tensor]:
         """training/step.forward_backward under PP: this data-parallel rank's micro-batches joined (under CP, this
         rank's slice of them: context_parallel.shard_batch, with mesh), run through the schedule. Returns (summed
         token cross-entropy, summed logsumexp^2) of this rank's part of the batch on every stage (collective over
-        the pp group)."""
+        the pp group). moe: an MoE model's training.step.MoEStats, which gets this rank's layers' expert counts and
+        aux losses of every micro-batch (see moe_hook)."""
         inputs = torch.cat([i for i, _ in micro_batches]).to(device, non_blocking=True)
         labels = torch.cat([t for _, t in micro_batches]).to(device, non_blocking=True)
         inputs, labels, layout = shard_batch(self.model, inputs, labels, mesh)
@@ -156,14 +159,45 @@ class Pipeline:
         args = (inputs,) if self.is_first else ()
         # Every stage's blocks take the RoPE positions (and documents); the schedule splits them with the batch.
         kwargs = {"layout": layout} if layout is not None else {}
-        with self.context():
-            self.schedule.step(*args, target=labels if self.is_last else None, return_outputs=False, **kwargs)
+        records: list = []
+        hooks = [module.register_forward_hook(functools.partial(self.moe_hook, records, index))
+                 for index, module in self.stages] if moe is not None else []
+        try:
+            with self.context():
+                self.schedule.step(*args, target=labels if self.is_last else None, return_outputs=False, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        if moe is not None:
+            self.add_moe(moe, records)
         # The first step's schedule also calls loss_fn to infer the shapes of the gradients: the micro-batches'
         # calls are the last n_microbatches.
         mine = self.sums[-self.n_microbatches:] if self.is_last else []
         sums = torch.stack(mine).sum(0) if mine else torch.zeros(2, device=device)
         dist.all_reduce(sums, group=self.group)  # the last stage's, on every stage
         return sums[0], sums[1]
+
+    def moe_hook(self, records: list, index: int, module: nn.Module, args, output: Tensor) -> Tensor:
+        """A forward hook on stage index's module: its MoE layers' expert counts and aux losses of the micro-batch
+        just run, appended to records; the aux losses' gradient joins the stage output's backward (_WithAux), scaled
+        as the loss (the stages after the first cannot add them to the loss the last stage takes)."""
+        layers = moe_layers(module)
+        if not layers:
+            return output
+        losses = [m.aux_loss for m in layers if m.aux_loss is not None]
+        aux = torch.stack(losses).sum() if losses else None
+        records.append((index, torch.stack([m.counts for m in layers]), None if aux is None else aux.detach()))
+        return output if aux is None else _WithAux.apply(output, aux * self.scale)
+
+    def add_moe(self, moe, records: list) -> None:
+        """Each stage's last n_microbatches records (the schedule's first step also runs a forward to infer shapes)
+        added into moe's counts and aux sum."""
+        for index, module in self.stages:
+            rows = [moe.layers.index(m) for m in moe_layers(module)]
+            for _, counts, aux in [r for r in records if r[0] == index][-self.n_microbatches:]:
+                moe.counts[rows] += counts
+                if aux is not None:
+                    moe.aux_sum += aux
 
     def documents(self, inputs: Tensor, layout: SequenceLayout | None) -> SequenceLayout | None:
         """layout, or under model.document_mask without CP the whole windows' (model.slice_layout of inputs
@@ -209,6 +243,21 @@ class Pipeline:
         logp = -nll if nll is not None else torch.zeros(targets.shape, device=targets.device)
         dist.all_reduce(logp, group=self.group)  # the last stage's, on every stage
         return logp
+
+
+class _WithAux(torch.autograd.Function):
+    """The identity on a stage's output that gives aux (a 0-dim loss term of the stage's layers) a gradient of 1
+    when the output's backward runs (Megatron-Core's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, aux: Tensor) -> Tensor:
+        ctx.save_for_backward(aux)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
 
 
 def default_microbatches(pp: int, local_batch: int) -> int:

@@ -100,7 +100,8 @@ def run_job(argv: list[str]) -> None:
         result["losses"].append(step.global_loss(loss_mesh(s.mesh).get_group()))
         result["grad_norms"].append(step.grad_norm.item())
         if step.moe is not None:
-            result.setdefault("moe", []).append(step.moe.record(step.n_targets, loss_mesh(s.mesh).get_group()))
+            result.setdefault("moe", []).append(step.moe.record(
+                step.n_targets, loss_mesh(s.mesh).get_group(), s.pipeline.group if s.pipeline is not None else None))
     if args.tp > 1:
         result["replicated"] = replica_spread(s.model, s.mesh["tp"])
     if rank == 0:

@@ -9,6 +9,7 @@ import torch
 import train_fsdp
 from launch import (
     DEBUG,
+    GRAD_STEPS,
     before_any_collective,
     kill_tree,
     losses,
@@ -78,12 +79,16 @@ PP_LAYOUTS = {
     "pp2-cp2": (4, 1, ["--parallel.pp", "2", "--parallel.cp", "2"]),
     "pp2-interleaved-docmask": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-fsdp2-interleaved-muon": (4, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
+    "pp2-ep2-interleaved-moe": (4, 1, ["--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_schedule",
+                                       "Interleaved1F1B"]),
 }
 """id: (ranks, tp, flags): 1F1B and GPipe over 2 stages; 2 stages per rank (Interleaved1F1B, LoopedBFS: 4 stages of
 one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
-named "-docmask" or "-muon" and its 1-rank reference both run with model.document_mask or optim.name muon
-(SHARED)."""
-SHARED = {"docmask": ["--model.document_mask", "true"], "muon": ["--optim.name", "muon"]}
+named "-docmask", "-muon" or "-moe" and its 1-rank reference both run with model.document_mask, optim.name muon
+or a mixture of experts (4 experts top-2, aux loss and bias update, layer 0 dense: a stage without MoE) (SHARED)."""
+SHARED = {"docmask": ["--model.document_mask", "true"], "muon": ["--optim.name", "muon"],
+          "moe": ["--model.n_experts", "4", "--model.experts_per_token", "2", "--model.expert_ffn_dim", "192",
+                  "--model.moe_aux_loss", "0.01", "--model.moe_first_dense", "1"]}
 
 
 @pytest.mark.slow
@@ -98,6 +103,9 @@ def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
     one, other = worker(1, 1, *flags), worker(n, tp, *flags, *more)
     assert one["losses"] == pytest.approx(other["losses"], rel=1e-5, abs=0)
     assert one["grad_norms"] == pytest.approx(other["grad_norms"], rel=1e-5, abs=0)  # every stage's gradients
+    for m1, m2 in zip(one.get("moe", []), other.get("moe", [])):  # load, bias range, aux loss: every stage's layers
+        assert m2 == pytest.approx(m1, rel=1e-5, abs=1e-7)
+    assert len(one.get("moe", [])) == len(other.get("moe", [])) == (GRAD_STEPS if "moe" in layout else 0)
     for g1, g2 in zip(one["grads"], other["grads"]):  # rank 0's: the first stage's parameters (and the third's)
         assert g2 and set(g2) < set(g1) and "tok_embeddings.weight" in g2
         for name in g2:
@@ -154,8 +162,6 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
      "parallel.pp_microbatches (5) must be a multiple of 2; use 4 or a multiple of 2"),
     (2, ["--parallel.pp", "2", "--train.loss_chunk_size", "64"], "parallel.pp 2 does not run with "
                                                                   "train.loss_chunk_size yet"),
-    (2, ["--parallel.pp", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
-     "parallel.pp 2 does not run with model.n_experts yet"),
     (2, ["--parallel.pp", "0"], "parallel.pp must be >= 1, got 0"),
     (2, ["--parallel.pp", "2", "--train.global_batch_size", "1"], "train.global_batch_size gives each data-parallel "
                                                                    "rank 1 sequence(s) per step, fewer than "
@@ -163,8 +169,7 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
                                                                    "use train.global_batch_size 2 or a multiple of it"),
     (4, ["--parallel.pp", "2", "--train.global_batch_size", "15", "--parallel.pp_microbatches", "2"],
      "train.global_batch_size (15) must be a positive multiple of data-parallel size (2)"),
-    (2, ["--parallel.pp", "2", "--parallel.ep", "2", "--model.n_experts", "4", "--model.experts_per_token", "2"],
-     "parallel.pp 2 does not run with model.n_experts yet"),
+    (2, ["--parallel.pp", "2", "--train.float8", "tensorwise"], "parallel.pp 2 does not run with train.float8 yet"),
 ])
 def test_bad_pipeline_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys, world, argv, msg):
     with before_any_collective(monkeypatch, world):

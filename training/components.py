@@ -67,7 +67,8 @@ class Metrics:
         if cfg.train.z_loss:
             record["z_loss"] = cfg.train.z_loss * z
         if result.moe is not None:
-            record.update(result.moe.record(result.n_targets, self.loss_group))
+            record.update(result.moe.record(result.n_targets, self.loss_group,
+                                            self.s.pipeline.group if self.s.pipeline is not None else None))
         if result.skipped:
             record["skipped"] = True
             record["skip_reason"] = result.skipped

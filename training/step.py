@@ -40,15 +40,21 @@ class MoEStats:
     """(MoE layers, n_experts) int64: tokens routed to each expert."""
     aux_sum: torch.Tensor
     """0-dim fp32: this rank's sum of the layers' aux_loss (coefficients applied; a token sum, see nn/moe.py)."""
+    aux_on: bool = False
+    """Whether the model has an aux or router z-loss (model.moe_aux_loss, model.moe_router_z_loss)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, device) -> MoEStats | None:
-        """Empty stats for model's MoE layers; None for a dense model."""
-        layers = moe_layers(model)
-        if not layers:
+        """Empty stats for model's MoE layers; None for a dense model. A pipeline stage of an MoE model gets stats
+        even without MoE layers of its own (its record joins the other stages')."""
+        layers, args = moe_layers(model), getattr(model, "args", None)
+        n_experts = layers[0].n_experts if layers else getattr(args, "n_experts", 0)
+        if not n_experts:
             return None
-        return cls(layers, torch.zeros(len(layers), layers[0].n_experts, dtype=torch.int64, device=device),
-                   torch.zeros((), device=device))
+        aux_on = any(m.aux_coef or m.z_coef for m in layers) or bool(
+            args is not None and (args.moe_aux_loss or args.moe_router_z_loss))
+        return cls(layers, torch.zeros(len(layers), n_experts, dtype=torch.int64, device=device),
+                   torch.zeros((), device=device), aux_on)
 
     def collect(self) -> torch.Tensor | None:
         """Add the last forward's counts; return the layers' aux losses summed (with autograd), None if off."""
@@ -62,7 +68,8 @@ class MoEStats:
 
     def reduce(self, group) -> None:
         """Sum the counts over group's ranks (the data-parallel ranks): every rank then holds the global counts."""
-        dist.all_reduce(self.counts, group=group)
+        if self.layers:  # a pipeline stage without MoE layers: so are its data-parallel peers
+            dist.all_reduce(self.counts, group=group)
 
     def update_bias(self, rate: float) -> None:
         """DeepSeek-V3's aux-loss-free update: each expert's bias += rate * sign(mean load - its load).
@@ -73,17 +80,25 @@ class MoEStats:
             for layer, c in zip(self.layers, self.counts.float()):
                 layer.expert_bias.add_(torch.sign(c.mean() - c), alpha=rate)
 
-    def record(self, n_targets: int, group) -> dict:
+    def record(self, n_targets: int, group, stages_group=None) -> dict:
         """The train record's MoE fields (collective over group; syncs): moe_max_load (the busiest expert's tokens
         over the mean per expert, the largest over the MoE layers), moe_bias_range (largest minus smallest bias over
-        all layers), and moe_aux_loss (the aux and z losses as added to the objective, per token) when on."""
+        all layers), and moe_aux_loss (the aux and z losses as added to the objective, per token) when on.
+        stages_group: under pipeline parallelism the pp group, over whose stages' layers these are taken."""
         c = self.counts.float()
-        out = {"moe_max_load": (c.max(1).values / c.mean(1).clamp(min=1e-9)).max().item()}
-        bias = torch.cat([m.expert_bias for m in self.layers])
-        out["moe_bias_range"] = (bias.max() - bias.min()).item()
-        if any(m.aux_coef or m.z_coef for m in self.layers):
-            aux = self.aux_sum.clone()
+        bias = torch.cat([m.expert_bias for m in self.layers] or [c.new_zeros(0)])
+        # [max load, max bias, -min bias, aux sum]: one reduction per op over the stages
+        top = torch.stack([(c.max(1).values / c.mean(1).clamp(min=1e-9)).max() if len(c) else c.new_zeros(()),
+                           bias.max() if len(bias) else c.new_full((), -math.inf),
+                           -bias.min() if len(bias) else c.new_full((), -math.inf)])
+        aux = self.aux_sum.clone()
+        if stages_group is not None:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=stages_group)
+        out = {"moe_max_load": top[0].item(), "moe_bias_range": (top[1] + top[2]).item()}
+        if self.aux_on:
             dist.all_reduce(aux, group=group)
+            if stages_group is not None:
+                dist.all_reduce(aux, group=stages_group)
             out["moe_aux_loss"] = aux.item() / n_targets
         return out
 
@@ -242,7 +257,7 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     ranks = loss_mesh(s.mesh).size()  # the data-parallel x CP ranks FSDP averages gradients over
     moe = MoEStats.of(s.model, s.device)
     if s.pipeline is not None:
-        loss_sum, z_sum = s.pipeline.forward_backward(micro_batches, n_targets, ranks, s.device, s.mesh)
+        loss_sum, z_sum = s.pipeline.forward_backward(micro_batches, n_targets, ranks, s.device, s.mesh, moe)
     else:
         loss_sum, z_sum = forward_backward(s.model, micro_batches, n_targets, ranks, s.device, s.mesh,
                                            t.loss_chunk_size, t.z_loss, moe)
