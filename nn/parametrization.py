@@ -53,6 +53,8 @@ EXPERTS = ("experts.w1", "experts.w2", "experts.w3")
 """An MoE's routed experts: 3-D parameters, n_experts hidden matrices each (nn/moe.py). The router is output-like
 (its fan-out, n_experts, does not grow with the width: Tensor Programs V's rule for a readout), so it keeps the
 defaults of the output row above."""
+MULTS = ("mup_input_mult", "mup_output_mult", "mup_attn_mult")
+"""The base multipliers: constants of the proxy, tuned there (benchmarks/lr_transfer.py --tune), that carry over."""
 RESIDUAL_WRITERS = ("attention.wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight", "experts.w2")
 
 
@@ -66,11 +68,23 @@ def check(args) -> None:
     p = args.parametrization
     if p not in PARAMETRIZATIONS:
         raise ValueError(f"model.parametrization must be one of {', '.join(PARAMETRIZATIONS)}, got {p!r}")
+    for name in MULTS:
+        if not 0 < getattr(args, name) < math.inf:
+            raise ValueError(f"model.{name} must be a finite number > 0 (1: the default), got {getattr(args, name)}")
     if p == "sp":
         if args.base_dim or args.base_n_layers:
             raise ValueError("model.base_dim and model.base_n_layers apply only under model.parametrization mup or "
                              "completep; set --model.parametrization mup (or completep), or drop them")
+        given = [f"model.{f}" for f in ("base_head_dim",) if args.base_head_dim]
+        given += [f"model.{f}" for f in MULTS if getattr(args, f) != 1.0]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only under "
+                             f"model.parametrization mup or completep; set --model.parametrization mup (or "
+                             f"completep), or drop {'it' if len(given) == 1 else 'them'}")
         return
+    if not 0 <= args.base_head_dim <= args.head_dim or args.base_head_dim % 2:
+        raise ValueError(f"model.base_head_dim is the proxy's head_dim: an even number in 2..head_dim "
+                         f"({args.head_dim}), or 0 for head_dim itself, got {args.base_head_dim}")
     if not 0 < args.base_dim <= args.dim or args.dim % args.base_dim:
         examples = [d for d in range(args.dim // 8, args.dim + 1) if d > 0 and args.dim % d == 0][:3]
         raise ValueError(f"model.parametrization {p} needs model.base_dim, the proxy width the hyperparameters were "
@@ -94,11 +108,14 @@ class Multipliers:
     depth: float
     """m_L = n_layers / base_n_layers (1 unless completep)."""
     query: float
-    """Factor on the queries before attention's own 1/sqrt(head_dim): 1/sqrt(head_dim) makes the scores 1/head_dim."""
+    """Factor on the queries before attention's own 1/sqrt(head_dim): attn_mult sqrt(base_head_dim / head_dim) makes
+    the scores attn_mult q.k sqrt(base_head_dim) / head_dim (sp's q.k / sqrt(head_dim) at the proxy's head_dim)."""
     residual: float
     """Factor on every residual branch's output (attention and feed-forward): 1/m_L."""
     logits: float
-    """Factor on the final norm's output before the output projection: 1/m_N."""
+    """Factor on the final norm's output before the output projection: output_mult / m_N."""
+    input: float = 1.0
+    """Factor on the embedding's output: input_mult."""
 
 
 def multipliers(args) -> Multipliers:
@@ -107,7 +124,13 @@ def multipliers(args) -> Multipliers:
         return Multipliers(1.0, 1.0, 1.0, 1.0, 1.0)
     width = args.dim / args.base_dim
     depth = args.n_layers / args.base_n_layers if args.parametrization == "completep" else 1.0
-    return Multipliers(width, depth, 1.0 / math.sqrt(args.head_dim), 1.0 / depth, 1.0 / width)
+    query = args.mup_attn_mult * math.sqrt(base_head_dim(args) / args.head_dim)
+    return Multipliers(width, depth, query, 1.0 / depth, args.mup_output_mult / width, args.mup_input_mult)
+
+
+def base_head_dim(args) -> int:
+    """The proxy's head_dim: model.base_head_dim, or model.head_dim when 0 (the heads, not their size, grow)."""
+    return args.base_head_dim or args.head_dim
 
 
 def is_hidden(name: str) -> bool:
@@ -144,10 +167,9 @@ def optimizer_settings(args, name: str, muon: bool, weight_decay: float, eps: fl
     decay, mult = weight_decay, 1.0
     if is_hidden(name):
         mult = 1.0 / math.sqrt(m.width) if muon else 1.0 / m.width
-        if args.parametrization == "completep":
-            decay /= mult  # lr * wd stays the proxy's (independent weight decay)
-    completep = args.parametrization == "completep"
-    return {"lr_mult": mult, "weight_decay": decay, "eps": eps / (m.width * m.depth) if completep else eps}
+        decay /= mult  # lr * wd stays the proxy's (independent weight decay)
+    # Every gradient shrinks as 1/m_N (the logits carry 1/m_N): eps keeps its place beside them.
+    return {"lr_mult": mult, "weight_decay": decay, "eps": eps / (m.width * m.depth)}
 
 
 def fold(args, state: dict, inverse: bool = False) -> dict:
@@ -162,7 +184,8 @@ def fold(args, state: dict, inverse: bool = False) -> dict:
     """
     m = multipliers(args)
     # An MoE's residual branch is the weighted sum of its experts' and shared experts' w2 outputs: linear in each.
-    factors = {"attention.wq.weight": m.query, **dict.fromkeys(RESIDUAL_WRITERS, m.residual)}
+    factors = {"attention.wq.weight": m.query, "tok_embeddings.weight": m.input,
+               **dict.fromkeys(RESIDUAL_WRITERS, m.residual)}
     out = {}
     for k, v in state.items():
         f = m.logits if k == "output.weight" else next((x for s, x in factors.items() if k.endswith(s)), 1.0)
