@@ -9,14 +9,22 @@ multiplier follow these rules. With m_N = dim / base_dim and m_L = n_layers / ba
 | tok_embeddings: init std, Adam LR  | 0.02, lr         | 0.02, lr                | 0.02, lr                  |
 | hidden wq wk wv w1 w3: init std    | 0.02             | 0.02 / sqrt(m_N)        | 0.02 / sqrt(m_N)          |
 | hidden wo w2: init std             | 0.02/sqrt(2 L)   | 0.02/sqrt(2 L m_N)      | 0.02 / sqrt(m_N)          |
-| hidden matrices: Adam LR, decay    | lr, wd           | lr / m_N, wd            | lr / m_N, wd * m_N        |
-| hidden matrices: Muon LR           | lr (Moonlight)   | lr / sqrt(m_N)          | lr / sqrt(m_N), wd*sqrt(m_N) |
+| hidden matrices: Adam LR, decay    | lr, wd           | lr / m_N, wd * m_N      | lr / m_N, wd * m_N        |
+| hidden matrices: Muon LR, decay    | lr (Moonlight), wd | lr / sqrt(m_N), wd*sqrt(m_N) | lr / sqrt(m_N), wd*sqrt(m_N) |
 | output: init std, Adam LR          | 0.02, lr         | 0.02, lr                | 0.02, lr                  |
 | norm weights: Adam LR              | lr               | lr                      | lr                        |
-| logits multiplier                  | 1                | 1 / m_N                 | 1 / m_N                   |
-| attention scores                   | 1/sqrt(head_dim) | 1 / head_dim            | 1 / head_dim              |
+| embedding multiplier               | 1                | a_in                    | a_in                      |
+| logits multiplier                  | 1                | a_out / m_N             | a_out / m_N               |
+| attention scores q.k times         | 1/sqrt(head_dim) | a_attn sqrt(d_0) / head_dim | a_attn sqrt(d_0) / head_dim |
 | residual branch multiplier         | 1                | 1                       | 1 / m_L                   |
-| Adam epsilon                       | eps              | eps                     | eps / (m_N m_L)           |
+| Adam epsilon                       | eps              | eps / m_N               | eps / (m_N m_L)           |
+
+a_in, a_out, a_attn are the base multipliers (model.mup_input_mult, mup_output_mult, mup_attn_mult; 1 by
+default), constants of the proxy that are tuned there and carry over unchanged (Cerebras-GPT, u-muP tune them
+beside the LR: benchmarks/lr_transfer.py --tune). d_0 is the proxy's head_dim (model.base_head_dim; by default
+head_dim itself: a wider model has more heads of the same size). At a_attn = 1 the scores are sp's at the proxy's
+head_dim and fall as 1/head_dim as it grows (microsoft/mup's attn_mult / d with attn_mult = sqrt(d_0)); with
+head_dim kept they are sp's at every width.
 
 Sources: mup is Tensor Programs V (Yang et al. 2022), Table 3's Adam column in the form of
 its Table 8 (the output multiplier 1/m_N with a width-independent readout init and LR, as
@@ -25,15 +33,19 @@ and LR multipliers are those of EleutherAI's nanoGPT-mup (untied here: the outpu
 sp's init and LR, and carries the 1/m_N). completep is Dey et al. 2025 ("Don't be lazy:
 CompleteP enables compute-efficient deep transformers"), Table 1 at alpha = 1: the residual multiplier m_L^-alpha, hidden LR
 times m_L^(alpha-1) = 1, Adam epsilon times 1/(m_N m_L^alpha), and weight decay that keeps
-lr * wd at the proxy's (nanoGPT-mup's completep branch); the branch multiplier replaces
+lr * wd at the proxy's (nanoGPT-mup's completep branch; mup takes the same eps and decay rules at
+m_L = 1: every gradient shrinks as 1/m_N, Everett et al. 2024, and lr * wd is what sets AdamW's
+equilibrium, Wang & Aitchison 2024); the branch multiplier replaces
 GPT-2's 1/sqrt(2 L) on wo and w2. Muon: its orthogonalised update has every singular value
 near 1, so Moonlight's 0.2 sqrt(max(fan_out, fan_in)) LR makes the update's spectral norm grow
 as sqrt(width); the spectral condition (Bernstein & Yang 2023, sqrt(fan_out / fan_in) at a
 fixed aspect ratio) keeps it at the proxy's, which is Moonlight's factor frozen at the proxy
 shape: lr / sqrt(m_N) (docs/optimizers.md; benchmarks/lr_transfer.py measures it).
 
-At base_dim = dim and base_n_layers = n_layers, mup and completep differ from sp only in the
-attention scale (and completep also in wo/w2's init). Everything here is a plain constant of
+At base_dim = dim and base_n_layers = n_layers with the base multipliers at 1, mup is sp, bit for bit, and
+completep differs from it only in wo/w2's init (tests/test_parametrization.py). Measured on 2 CPU cores
+(benchmarks/results/cpu-2core_2026-12-04_mup_fix.md): the former scores q.k / head_dim put mup's proxy
+1/sqrt(head_dim) below sp's attention and made the transferred model worse than sp tuned at its width. Everything here is a plain constant of
 the model's shape; no distributed code. `args` is a model.ModelArgs (duck-typed: this module
 sits below model.py).
 """
@@ -116,6 +128,18 @@ class Multipliers:
     """Factor on the final norm's output before the output projection: output_mult / m_N."""
     input: float = 1.0
     """Factor on the embedding's output: input_mult."""
+
+
+def predated(saved: dict) -> dict:
+    """The parametrization fields that a checkpoint's saved [model] table (its config.toml) lacks, at the values its
+    code trained with: sp before model.parametrization existed; and before the base multipliers, mup/completep's
+    scores q.k / head_dim, which mup_attn_mult 1/sqrt(head_dim) gives at base_head_dim 0 (so a resume that would
+    change them is refused, naming the field and the checkpoint's value, which resumes it as it was)."""
+    out = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, "base_head_dim": 0, "mup_input_mult": 1.0,
+           "mup_output_mult": 1.0, "mup_attn_mult": 1.0}
+    if saved.get("parametrization", "sp") != "sp" and "mup_attn_mult" not in saved:
+        out["mup_attn_mult"] = 1.0 / math.sqrt(saved["dim"] // saved["n_heads"])
+    return {k: v for k, v in out.items() if k not in saved}
 
 
 def multipliers(args) -> Multipliers:

@@ -165,3 +165,32 @@ def test_a_checkpoint_from_before_parametrizations_resumes_as_sp_with_the_old_co
     assert sorted(new) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):  # bit for bit: the same machine's kernels on the same weights
         assert new[step] == pytest.approx(old[step], rel=1e-6, abs=0), step
+
+
+def test_a_mup_checkpoint_from_before_the_base_multipliers_resumes_only_with_its_own_attention_scale():
+    """A mup run's config.toml from before the base multipliers lacks them, and its code scored q.k / head_dim. A
+    resume with today's defaults would change the scores: it is refused, naming model.mup_attn_mult and the
+    checkpoint's value; that value passed as printed is accepted and gives the old code's query factor,
+    1 / sqrt(head_dim) (its scores q.k / head_dim), bit for bit. resume_point takes these two steps (predated,
+    check_same_config) before any collective; test_a_checkpoint_from_before_parametrizations... runs it whole."""
+    import dataclasses
+    import re
+
+    from checkpoint import CheckpointError
+    from config import parse_config
+    from nn import parametrization
+    from training.resume import check_same_config
+
+    argv = ["--config", os.path.join(ROOT, "configs", "debug.toml"), "--run_dir", "unused",
+            "--model.parametrization", "mup", "--model.base_dim", "64"]
+    cfg = parse_config(argv)
+    new_fields = ("base_head_dim", *parametrization.MULTS)
+    old_model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in new_fields}
+    saved = {"model": {**parametrization.predated(old_model), **old_model}}
+    with pytest.raises(CheckpointError) as e:
+        check_same_config("ckpt", saved, "model", dataclasses.asdict(cfg.model))
+    printed = re.search(r"model\.mup_attn_mult: checkpoint (\S+), now 1\.0\)", str(e.value))
+    assert printed and "use the settings it was trained with" in str(e.value), str(e.value)
+    again = parse_config([*argv, "--model.mup_attn_mult", printed.group(1)])
+    check_same_config("ckpt", saved, "model", dataclasses.asdict(again.model))
+    assert parametrization.multipliers(again.model).query == 1.0 / math.sqrt(cfg.model.head_dim)
