@@ -92,7 +92,8 @@ def check(args) -> None:
         if given:
             raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only under "
                              f"model.parametrization mup or completep; set --model.parametrization mup (or "
-                             f"completep), or drop {'it' if len(given) == 1 else 'them'}")
+                             f"completep) with --model.base_dim, the proxy's width, or drop "
+                             f"{'it' if len(given) == 1 else 'them'}")
         return
     if not 0 <= args.base_head_dim <= args.head_dim or args.base_head_dim % 2:
         raise ValueError(f"model.base_head_dim is the proxy's head_dim: an even number in 2..head_dim "
