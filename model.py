@@ -18,7 +18,7 @@ forward on a slice of longer windows takes the slice's ``SequenceLayout`` (posit
 windows' documents, computed here from the whole windows by ``slice_layout``).
 Decoding (generate.py) runs this same forward with a ``KVCache`` per layer, unsharded.
 Under ``parametrization`` mup or completep (nn/parametrization.py) the init follows its table and
-three constants of the shape multiply the queries, the residual branches and the logits.
+constants of the shape multiply the embedding, the queries, the residual branches and the logits.
 With ``n_experts`` > 0 the feed-forward of every block past the first ``moe_first_dense`` is a
 mixture of experts (nn/moe.py: ``feed_forward.router``, ``.experts.w1/w2/w3``, ``.shared_experts``,
 the balancing buffer ``.expert_bias``); with 0, the default, the model is the dense one, bit for bit.
@@ -74,7 +74,7 @@ class ModelArgs:
     base_n_layers: int = 0
     """completep: the proxy depth the hyperparameters were tuned at (1..n_layers); 0 otherwise."""
     base_head_dim: int = 0
-    """mup/completep: the proxy's head_dim (1..head_dim); 0: head_dim itself (the proxy had fewer heads, not smaller ones)."""
+    """mup/completep: the proxy's head_dim (even, up to head_dim); 0: head_dim itself (the proxy had fewer heads, not smaller ones)."""
     mup_input_mult: float = 1.0
     """mup/completep: the proxy's multiplier on the embedding's output (a base multiplier, tuned on the proxy)."""
     mup_output_mult: float = 1.0

@@ -13,6 +13,14 @@ inf). LRs: a x2 grid, LRS. Sweeps, for AdamW and for Muon:
 - depth: 2, 4, 8, 16 layers (8x) at dim 64; mup (no depth rule) and completep (base_n_layers 2).
 Reported: the best LR of every size, how many grid steps it moves across the sizes, the loss
 table, and a PNG of loss against LR, one curve per size (the mup paper's figure 1).
+
+    python benchmarks/lr_transfer.py --tune --steps 150 --out FILE.md [--dataset GLOB] [--widths 32,64,128,256]
+
+--tune (AdamW; 18 minutes on 2 cores for the stdlib): tunes optim.lr and the base multipliers
+model.mup_output_mult (OUTPUT_MULTS) and model.mup_input_mult (INPUT_MULTS) on the width-32 proxy (one head
+of 32), then trains every wider width at the proxy's settings, tuned and LR only, against sp at its best
+LR of a x2 grid per width (extended until the best is inside it), with head_dim fixed and with n_heads
+fixed (HEADS); it prints the tuned settings as the flags to train with.
 """
 from __future__ import annotations
 

@@ -45,8 +45,8 @@ shape: lr / sqrt(m_N) (docs/optimizers.md; benchmarks/lr_transfer.py measures it
 At base_dim = dim and base_n_layers = n_layers with the base multipliers at 1, mup is sp, bit for bit, and
 completep differs from it only in wo/w2's init (tests/test_parametrization.py). Measured on 2 CPU cores
 (benchmarks/results/cpu-2core_2026-12-04_mup_fix.md): the former scores q.k / head_dim put mup's proxy
-1/sqrt(head_dim) below sp's attention and made the transferred model worse than sp tuned at its width. Everything here is a plain constant of
-the model's shape; no distributed code. `args` is a model.ModelArgs (duck-typed: this module
+1/sqrt(head_dim) below sp's attention and made the transferred model worse than sp tuned at its width.
+Everything here is a plain constant of the model's shape; no distributed code. `args` is a model.ModelArgs (duck-typed: this module
 sits below model.py).
 """
 from __future__ import annotations
