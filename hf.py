@@ -14,9 +14,9 @@ The math needs no conversion, only names (an export must never silently change t
   as they are (Meta's original checkpoints need a permutation; these do not).
 - RMSNorm: both normalise in fp32, cast back, then multiply by the weight; eps is copied.
 - Embeddings are untied (tie_word_embeddings false); no biases anywhere.
-- mup/completep multipliers (query, residual branches, logits) are folded into wq, wo/w2 (the
-  experts' and shared experts' w2 too) and output on export and divided back out on import
-  (nn/parametrization.fold).
+- mup/completep multipliers (embedding, query, residual branches, logits) are folded into
+  tok_embeddings, wq, wo/w2 (the experts' and shared experts' w2 too) and output on export and
+  divided back out on import (nn/parametrization.fold).
 - MoE: our 3-D experts parameters are written one 2-D tensor per expert, as the models on the
   Hub are; the router is the gate, the aux-loss-free balancing bias GLM-4.5's
   e_score_correction_bias (a choice that no class expresses exactly is refused: hf_model_type).

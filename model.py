@@ -18,7 +18,7 @@ forward on a slice of longer windows takes the slice's ``SequenceLayout`` (posit
 windows' documents, computed here from the whole windows by ``slice_layout``).
 Decoding (generate.py) runs this same forward with a ``KVCache`` per layer, unsharded.
 Under ``parametrization`` mup or completep (nn/parametrization.py) the init follows its table and
-three constants of the shape multiply the queries, the residual branches and the logits.
+constants of the shape multiply the embedding, the queries, the residual branches and the logits.
 With ``n_experts`` > 0 the feed-forward of every block past the first ``moe_first_dense`` is a
 mixture of experts (nn/moe.py: ``feed_forward.router``, ``.experts.w1/w2/w3``, ``.shared_experts``,
 the balancing buffer ``.expert_bias``); with 0, the default, the model is the dense one, bit for bit.
@@ -73,6 +73,14 @@ class ModelArgs:
     """mup/completep: the proxy width the hyperparameters were tuned at (a divisor of dim); 0 under sp."""
     base_n_layers: int = 0
     """completep: the proxy depth the hyperparameters were tuned at (1..n_layers); 0 otherwise."""
+    base_head_dim: int = 0
+    """mup/completep: the proxy's head_dim (even, up to head_dim); 0: head_dim itself (the proxy had fewer heads, not smaller ones)."""
+    mup_input_mult: float = 1.0
+    """mup/completep: the proxy's multiplier on the embedding's output (a base multiplier, tuned on the proxy)."""
+    mup_output_mult: float = 1.0
+    """mup/completep: the proxy's multiplier on the logits (a base multiplier; the logits carry it / m_N)."""
+    mup_attn_mult: float = 1.0
+    """mup/completep: the proxy's multiplier on the attention scores, q.k mup_attn_mult sqrt(base_head_dim) / head_dim (1: sp's scores at the proxy)."""
     n_experts: int = 0
     """Mixture of experts (nn/moe.py): routed experts per MoE feed-forward; 0 (default): every feed-forward is the dense SwiGLU MLP."""
     experts_per_token: int = 0
@@ -356,7 +364,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq_len, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, -1, self.head_dim)
         if self.query_scale != 1.0:
-            q = q * self.query_scale  # scores q.k / head_dim under mup, whatever the kernel (Ulysses included)
+            q = q * self.query_scale  # mup's score scale (nn/parametrization.py), whatever the kernel (Ulysses included)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, start)  # (bsz, start + seq, kv heads, head_dim)
@@ -418,6 +426,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.logits_scale = multipliers(args).logits
+        self.input_scale = multipliers(args).input
         # Not persistent: recomputed by init_weights, never checkpointed. fp32 here; a block
         # sharded with bf16 mixed precision receives them cast to bf16 (see apply_rope).
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
@@ -465,6 +474,8 @@ class Transformer(nn.Module):
         # A pipeline stage (parallel/pipeline.py) holds some blocks: without the embedding it takes the
         # residual stream (batch, seq, dim) as `tokens`; without the final norm it returns it.
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None and self.input_scale != 1.0:
+            h = h * self.input_scale  # mup's base input multiplier
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, mask) if cache is None else layer(h, cos, sin, mask, cache[i], start)
         if self.norm is None:

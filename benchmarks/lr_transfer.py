@@ -13,6 +13,14 @@ inf). LRs: a x2 grid, LRS. Sweeps, for AdamW and for Muon:
 - depth: 2, 4, 8, 16 layers (8x) at dim 64; mup (no depth rule) and completep (base_n_layers 2).
 Reported: the best LR of every size, how many grid steps it moves across the sizes, the loss
 table, and a PNG of loss against LR, one curve per size (the mup paper's figure 1).
+
+    python benchmarks/lr_transfer.py --tune --steps 150 --out FILE.md [--dataset GLOB] [--widths 32,64,128,256]
+
+--tune (AdamW; 18 minutes on 2 cores for the stdlib): tunes optim.lr and the base multipliers
+model.mup_output_mult (OUTPUT_MULTS) and model.mup_input_mult (INPUT_MULTS) on the width-32 proxy (one head
+of 32), then trains every wider width at the proxy's settings, tuned and LR only, against sp at its best
+LR of a x2 grid per width (extended until the best is inside it), with head_dim fixed and with n_heads
+fixed (HEADS); it prints the tuned settings as the flags to train with.
 """
 from __future__ import annotations
 
@@ -37,17 +45,19 @@ SWEEPS = {  # name: (parametrization, sizes, axis)
 }
 
 
-def corpus(workdir: str):
-    """The stdlib corpus tokenized once into workdir/data (prepare.prepare), as a PackedCorpus of SEQ windows."""
-    import prepare
+def corpus(workdir: str, dataset: str = ""):
+    """The corpus (the stdlib, or data.dataset) tokenized once into workdir/data (prepare.prepare), as a
+    PackedCorpus of SEQ windows."""
     from config import parse_config
     from data import PackedCorpus
 
     cfg = parse_config(["--config", os.path.join(ROOT, "configs", "debug.toml"), "--run_dir", workdir,
                         "--model.vocab_size", str(VOCAB), "--data.tokenizer_vocab_size", str(VOCAB),
-                        "--data.seq_len", str(SEQ)])
+                        "--data.seq_len", str(SEQ), *(["--data.dataset", dataset] if dataset else [])])
     folder = os.path.join(workdir, "data")
     if not os.path.exists(os.path.join(folder, "meta.json")):
+        import prepare  # the tokenizer's libraries: only to prepare
+
         prepare.prepare(cfg.data, folder)
     return PackedCorpus(folder, cfg.data)
 
@@ -67,6 +77,12 @@ def model_args(parametrization: str, axis: str, size: int):
 def train_point(job: tuple) -> tuple:
     """(job, final val loss) of one (optimizer, sweep, size, lr, steps, workdir) point."""
     optim, sweep, size, lr, steps, workdir = job
+    parametrization, _, axis = SWEEPS[sweep]
+    return job, train(model_args(parametrization, axis, size), optim, lr, steps, workdir)
+
+
+def train(args, optim: str, lr: float, steps: int, workdir: str, dataset: str = "") -> float:
+    """Final validation loss of model.ModelArgs args trained steps steps at lr (inf: diverged)."""
     import torch
     import torch.nn.functional as F
 
@@ -74,10 +90,9 @@ def train_point(job: tuple) -> tuple:
     from optimization.optimizers import OptimConfig, build_optimizer
 
     torch.set_num_threads(1)
-    data = corpus(workdir)
+    data = corpus(workdir, dataset)
     src = data.sources[0]
-    parametrization, _, axis = SWEEPS[sweep]
-    model = Transformer(model_args(parametrization, axis, size))
+    model = Transformer(args)
     model.init_weights(0)
     cfg = OptimConfig(name=optim, lr=lr, schedule="wsd", warmup_steps=max(1, steps // 10), decay_fraction=0.2,
                       weight_decay=0.1, grad_clip=1.0)
@@ -88,7 +103,7 @@ def train_point(job: tuple) -> tuple:
         x, y = data.batches([(0, i) for i in idx], BATCH)[0]
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         if not torch.isfinite(loss):
-            return job, math.inf
+            return math.inf
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -99,7 +114,7 @@ def train_point(job: tuple) -> tuple:
         total = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum").item()
                     for x, y in data.batches([(0, i) for i in val], BATCH))
     score = total / (len(val) * SEQ)
-    return job, score if math.isfinite(score) else math.inf
+    return score if math.isfinite(score) else math.inf
 
 
 def best_lr(scores: dict[float, float]) -> float | None:
@@ -151,15 +166,158 @@ def draw(results: dict, path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
+# ---------------------------------------------------------------- --tune: base multipliers on the proxy, then transfer
+
+TUNE_WIDTHS = [32, 64, 128, 256]  # the proxy (base_dim 32) and 2x, 4x, 8x
+OUTPUT_MULTS, INPUT_MULTS = [0.5, 1.0, 2.0], [1.0, 4.0, 16.0]
+HEADS = ("head_dim fixed", "n_heads fixed")
+"""head_dim fixed: head_dim 32, the heads grow with the width (1 at the proxy); n_heads fixed: one head, its head_dim
+grows (base_head_dim 32). Both share the proxy: width 32, one head of 32."""
+
+
+def tune_args(parametrization: str, dim: int, heads: str, input_mult: float = 1.0, output_mult: float = 1.0):
+    """model.ModelArgs of a --tune point: 2 layers, ffn 8/3 dim; mup with base_dim 32 and the given base multipliers."""
+    from model import ModelArgs
+
+    n_heads = dim // 32 if heads == HEADS[0] else 1
+    mup = parametrization == "mup"
+    return ModelArgs(dim=dim, n_layers=2, n_heads=n_heads, n_kv_heads=n_heads, vocab_size=VOCAB,
+                     ffn_dim=32 * math.ceil(8 * dim / 3 / 32), max_seq_len=SEQ, parametrization=parametrization,
+                     base_dim=32 if mup else 0, base_head_dim=32 if mup and heads == HEADS[1] else 0,
+                     mup_input_mult=input_mult if mup else 1.0, mup_output_mult=output_mult if mup else 1.0)
+
+
+def tune_point(job: tuple) -> tuple:
+    """(job, final val loss) of one (key, tune_args's arguments, lr, steps, workdir, dataset) point."""
+    key, targs, lr, steps, workdir, dataset = job
+    return job, train(tune_args(*targs), "adamw", lr, steps, workdir, dataset)
+
+
+def run_round(pool, jobs: list, results: dict, t: float) -> None:
+    """Train jobs (largest first) into results[key][lr], skipping points already there."""
+    jobs = [j for j in dict.fromkeys(jobs) if j[2] not in results.get(j[0], {})]
+    jobs.sort(key=lambda j: -j[1][1])
+    for job, score in pool.imap_unordered(tune_point, jobs):
+        results.setdefault(job[0], {})[job[2]] = score
+        print(f"[{time.perf_counter() - t:.0f} s] {job[0]} lr {job[2]:.2g}: {score:.4f}", flush=True)
+
+
+def interior(results: dict, keys: list) -> list:
+    """For each key whose best LR lies on its grid's edge (or diverged everywhere), the next LR past that edge."""
+    more = []
+    for key in keys:
+        scores = results[key]
+        best, lrs = best_lr(scores), sorted(scores)
+        if best is None or best == lrs[0]:
+            more.append((key, lrs[0] / 2))
+        elif best == lrs[-1] and best < 2 ** -3:
+            more.append((key, best * 2))
+    return more
+
+
+def tune(pool, steps: int, workdir: str, dataset: str, t: float) -> tuple[dict, dict]:
+    """Tune (lr, output mult, input mult) on the proxy; train every width at the proxy's settings (tuned, and LR
+    only) and sp on a x2 LR grid per width. Returns (results {key: {lr: loss}}, the tuned settings)."""
+    res: dict = {}
+    job = lambda key, targs, lr: (key, targs, lr, steps, workdir, dataset)  # noqa: E731
+    proxy = ("proxy", 1.0, 1.0)
+    sp = {(h, w): ("sp", h, w) for h in HEADS for w in TUNE_WIDTHS[1:]}
+    # sp's best LR halves per doubling of the width (benchmarks/results/cpu-2core_2026-12-04_lr_transfer.md)
+    first = [job(proxy, ("mup", 32, HEADS[0]), 2.0 ** -k) for k in range(5, 10)]
+    first += [job(key, ("sp", w, h), 2.0 ** -(7 + math.log2(w / 32) + d)) for (h, w), key in sp.items()
+              for d in (-1, 0, 1)]
+    run_round(pool, first, res, t)
+    for _ in range(2):
+        more = interior(res, [proxy, *sp.values()])
+        run_round(pool, [job(k, ("mup", 32, HEADS[0]) if k == proxy else ("sp", k[2], k[1]), lr) for k, lr in more],
+                  res, t)
+    lr0 = best_lr(res[proxy])
+    grid = [(o, i) for o in OUTPUT_MULTS for i in INPUT_MULTS if (o, i) != (1.0, 1.0)]
+    second = [job(("proxy", o, i), ("mup", 32, HEADS[0], i, o), lr0 * f) for o, i in grid for f in (0.5, 1, 2)]
+    second += [job(("mup lr only", h, w), ("mup", w, h), lr0) for h in HEADS for w in TUNE_WIDTHS[1:]]
+    run_round(pool, second, res, t)
+    candidates = [(s, lr, o, i) for (name, o, i), scores in res.items() if name == "proxy"
+                  for lr, s in scores.items()]
+    _, lr1, out1, in1 = min(candidates)
+    tuned = {"optim.lr": lr1, "model.mup_output_mult": out1, "model.mup_input_mult": in1, "lr only": lr0}
+    run_round(pool, [job(("mup tuned", h, w), ("mup", w, h, in1, out1), lr1) for h in HEADS for w in TUNE_WIDTHS[1:]],
+              res, t)
+    return res, tuned
+
+
+def tune_report(res: dict, tuned: dict, steps: int, corpus_name: str) -> list[str]:
+    """Markdown: the proxy's grid, then per head layout the loss per width of sp at its best LR and of mup at the
+    proxy's settings (LR only, and tuned), with the goal's verdicts."""
+    lr0, lr1, o1, i1 = tuned["lr only"], tuned["optim.lr"], tuned["model.mup_output_mult"], tuned["model.mup_input_mult"]
+    lines = [f"### {corpus_name}: {steps} steps x {BATCH} x {SEQ} tokens, 2 layers, AdamW, base_dim 32", "",
+             "Proxy (width 32, one head of 32; sp and mup are the same model there), final val loss per LR and "
+             "base multipliers (output, input):", "",
+             "| output mult | input mult | " + " | ".join(f"lr {lr:.2g}" for lr in sorted({lr for k, v in res.items()
+                                                                                         if k[0] == "proxy" for lr in v}))
+             + " |"]
+    lrs = sorted({lr for k, v in res.items() if k[0] == "proxy" for lr in v})
+    lines.append("|---|---|" + "---|" * len(lrs))
+    for key in sorted(k for k in res if k[0] == "proxy"):
+        lines.append(f"| {key[1]:g} | {key[2]:g} | " + " | ".join(
+            f"{res[key][lr]:.3f}" if lr in res[key] else "" for lr in lrs) + " |")
+    lines += ["", f"LR only (multipliers 1): lr {lr0:.2g}, {res['proxy', 1.0, 1.0][lr0]:.4f}. Tuned: lr {lr1:.2g}, "
+              f"output mult {o1:g}, input mult {i1:g}, {res['proxy', o1, i1][lr1]:.4f}; the flags: "
+              f"`--model.parametrization mup --model.base_dim 32 --optim.lr {lr1:.6g} --model.mup_output_mult {o1:g} "
+              f"--model.mup_input_mult {i1:g}`.", ""]
+    for h in HEADS:
+        lines += [f"{h}: final val loss per width (sp: at its best LR of the grid, which is given; mup: at the proxy's "
+                  "settings, never tuned at the width)", "",
+                  "| width | sp best LR | sp | mup, LR only | mup, tuned | tuned - sp |", "|---|---|---|---|---|---|"]
+        only, tun = [], []
+        for w in TUNE_WIDTHS:
+            if w == 32:
+                s_lr, s = lr0, res["proxy", 1.0, 1.0][lr0]
+                a, b = s, res["proxy", o1, i1][lr1]
+            else:
+                s_lr = best_lr(res["sp", h, w])
+                s = res["sp", h, w][s_lr] if s_lr else math.inf
+                a, b = res["mup lr only", h, w][lr0], res["mup tuned", h, w][lr1]
+            only.append(a)
+            tun.append(b)
+            grid = ", ".join(f"{lr:.2g}" for lr in sorted(res["sp", h, w])) if w != 32 else "proxy"
+            lines.append(f"| {w} | {s_lr:.2g} (of {grid}) | {s:.4f} | {a:.4f} | {b:.4f} | {b - s:+.4f} |")
+        for name, ys in (("LR only", only), ("tuned", tun)):
+            sps = [res["sp", h, w][best_lr(res["sp", h, w])] for w in TUNE_WIDTHS[2:]]
+            ok = all(y <= s for y, s in zip(ys[2:], sps))
+            mono = all(b < a for a, b in zip(ys, ys[1:]))
+            lines.append(f"- mup {name}: no worse than tuned sp at 4x and wider: {'yes' if ok else 'no'}; loss falls "
+                         f"monotonically with width: {'yes' if mono else 'no'}")
+        lines.append("")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="markdown to append to; the PNG is written beside it")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "lr_transfer"))
+    parser.add_argument("--tune", action="store_true", help="tune lr and the base multipliers on the proxy, then "
+                        "compare the transfer with sp tuned per width (AdamW; see tune)")
+    parser.add_argument("--dataset", default="", help="--tune: data.dataset (default: the stdlib corpus)")
+    parser.add_argument("--widths", default=",".join(map(str, TUNE_WIDTHS)), help="--tune: the proxy's width (32), "
+                        "then the widths it transfers to")
     a = parser.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
-    corpus(a.workdir)  # tokenize once, before the workers
+    corpus(a.workdir, a.dataset)  # tokenize once, before the workers
+    if a.tune:
+        TUNE_WIDTHS[:] = [int(w) for w in a.widths.split(",")]
+        if TUNE_WIDTHS[0] != 32 or len(TUNE_WIDTHS) < 3:
+            parser.error("--widths: 32 (the proxy) first, then at least two wider")
+        t = time.perf_counter()
+        with multiprocessing.get_context("spawn").Pool(a.workers) as pool:
+            res, tuned = tune(pool, a.steps, a.workdir, a.dataset, t)
+        lines = tune_report(res, tuned, a.steps, a.dataset or "stdlib") + [f"{time.perf_counter() - t:.0f} s with "
+                                                                          f"{a.workers} workers.", ""]
+        with open(a.out, "a") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     jobs = [(optim, sweep, s, lr, a.steps, a.workdir) for optim in ("adamw", "muon")
             for sweep, (_, sizes, _) in SWEEPS.items() for s in sizes for lr in LRS]
     jobs.sort(key=lambda j: -(j[2] ** 2 if SWEEPS[j[1]][2] == "dim" else 64 ** 2 * j[2] / 2))  # largest first

@@ -9,14 +9,22 @@ multiplier follow these rules. With m_N = dim / base_dim and m_L = n_layers / ba
 | tok_embeddings: init std, Adam LR  | 0.02, lr         | 0.02, lr                | 0.02, lr                  |
 | hidden wq wk wv w1 w3: init std    | 0.02             | 0.02 / sqrt(m_N)        | 0.02 / sqrt(m_N)          |
 | hidden wo w2: init std             | 0.02/sqrt(2 L)   | 0.02/sqrt(2 L m_N)      | 0.02 / sqrt(m_N)          |
-| hidden matrices: Adam LR, decay    | lr, wd           | lr / m_N, wd            | lr / m_N, wd * m_N        |
-| hidden matrices: Muon LR           | lr (Moonlight)   | lr / sqrt(m_N)          | lr / sqrt(m_N), wd*sqrt(m_N) |
+| hidden matrices: Adam LR, decay    | lr, wd           | lr / m_N, wd * m_N      | lr / m_N, wd * m_N        |
+| hidden matrices: Muon LR, decay    | lr (Moonlight), wd | lr / sqrt(m_N), wd*sqrt(m_N) | lr / sqrt(m_N), wd*sqrt(m_N) |
 | output: init std, Adam LR          | 0.02, lr         | 0.02, lr                | 0.02, lr                  |
 | norm weights: Adam LR              | lr               | lr                      | lr                        |
-| logits multiplier                  | 1                | 1 / m_N                 | 1 / m_N                   |
-| attention scores                   | 1/sqrt(head_dim) | 1 / head_dim            | 1 / head_dim              |
+| embedding multiplier               | 1                | a_in                    | a_in                      |
+| logits multiplier                  | 1                | a_out / m_N             | a_out / m_N               |
+| attention scores q.k times         | 1/sqrt(head_dim) | a_attn sqrt(d_0) / head_dim | a_attn sqrt(d_0) / head_dim |
 | residual branch multiplier         | 1                | 1                       | 1 / m_L                   |
-| Adam epsilon                       | eps              | eps                     | eps / (m_N m_L)           |
+| Adam epsilon                       | eps              | eps / m_N               | eps / (m_N m_L)           |
+
+a_in, a_out, a_attn are the base multipliers (model.mup_input_mult, mup_output_mult, mup_attn_mult; 1 by
+default), constants of the proxy that are tuned there and carry over unchanged (Cerebras-GPT, u-muP tune them
+beside the LR: benchmarks/lr_transfer.py --tune). d_0 is the proxy's head_dim (model.base_head_dim; by default
+head_dim itself: a wider model has more heads of the same size). At a_attn = 1 the scores are sp's at the proxy's
+head_dim and fall as 1/head_dim as it grows (microsoft/mup's attn_mult / d with attn_mult = sqrt(d_0)); with
+head_dim kept they are sp's at every width.
 
 Sources: mup is Tensor Programs V (Yang et al. 2022), Table 3's Adam column in the form of
 its Table 8 (the output multiplier 1/m_N with a width-independent readout init and LR, as
@@ -25,16 +33,20 @@ and LR multipliers are those of EleutherAI's nanoGPT-mup (untied here: the outpu
 sp's init and LR, and carries the 1/m_N). completep is Dey et al. 2025 ("Don't be lazy:
 CompleteP enables compute-efficient deep transformers"), Table 1 at alpha = 1: the residual multiplier m_L^-alpha, hidden LR
 times m_L^(alpha-1) = 1, Adam epsilon times 1/(m_N m_L^alpha), and weight decay that keeps
-lr * wd at the proxy's (nanoGPT-mup's completep branch); the branch multiplier replaces
+lr * wd at the proxy's (nanoGPT-mup's completep branch; mup takes the same eps and decay rules at
+m_L = 1: every gradient shrinks as 1/m_N, Everett et al. 2024, and lr * wd is what sets AdamW's
+equilibrium, Wang & Aitchison 2024); the branch multiplier replaces
 GPT-2's 1/sqrt(2 L) on wo and w2. Muon: its orthogonalised update has every singular value
 near 1, so Moonlight's 0.2 sqrt(max(fan_out, fan_in)) LR makes the update's spectral norm grow
 as sqrt(width); the spectral condition (Bernstein & Yang 2023, sqrt(fan_out / fan_in) at a
 fixed aspect ratio) keeps it at the proxy's, which is Moonlight's factor frozen at the proxy
 shape: lr / sqrt(m_N) (docs/optimizers.md; benchmarks/lr_transfer.py measures it).
 
-At base_dim = dim and base_n_layers = n_layers, mup and completep differ from sp only in the
-attention scale (and completep also in wo/w2's init). Everything here is a plain constant of
-the model's shape; no distributed code. `args` is a model.ModelArgs (duck-typed: this module
+At base_dim = dim and base_n_layers = n_layers with the base multipliers at 1, mup is sp, bit for bit, and
+completep differs from it only in wo/w2's init (tests/test_parametrization.py). Measured on 2 CPU cores
+(benchmarks/results/cpu-2core_2026-12-04_mup_fix.md): the former scores q.k / head_dim put mup's proxy
+1/sqrt(head_dim) below sp's attention and made the transferred model worse than sp tuned at its width.
+Everything here is a plain constant of the model's shape; no distributed code. `args` is a model.ModelArgs (duck-typed: this module
 sits below model.py).
 """
 from __future__ import annotations
@@ -53,6 +65,8 @@ EXPERTS = ("experts.w1", "experts.w2", "experts.w3")
 """An MoE's routed experts: 3-D parameters, n_experts hidden matrices each (nn/moe.py). The router is output-like
 (its fan-out, n_experts, does not grow with the width: Tensor Programs V's rule for a readout), so it keeps the
 defaults of the output row above."""
+MULTS = ("mup_input_mult", "mup_output_mult", "mup_attn_mult")
+"""The base multipliers: constants of the proxy, tuned there (benchmarks/lr_transfer.py --tune), that carry over."""
 RESIDUAL_WRITERS = ("attention.wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight", "experts.w2")
 
 
@@ -66,11 +80,24 @@ def check(args) -> None:
     p = args.parametrization
     if p not in PARAMETRIZATIONS:
         raise ValueError(f"model.parametrization must be one of {', '.join(PARAMETRIZATIONS)}, got {p!r}")
+    for name in MULTS:
+        if not 0 < getattr(args, name) < math.inf:
+            raise ValueError(f"model.{name} must be a finite number > 0 (1: the default), got {getattr(args, name)}")
     if p == "sp":
         if args.base_dim or args.base_n_layers:
             raise ValueError("model.base_dim and model.base_n_layers apply only under model.parametrization mup or "
                              "completep; set --model.parametrization mup (or completep), or drop them")
+        given = [f"model.{f}" for f in ("base_head_dim",) if args.base_head_dim]
+        given += [f"model.{f}" for f in MULTS if getattr(args, f) != 1.0]
+        if given:
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only under "
+                             f"model.parametrization mup or completep; set --model.parametrization mup (or "
+                             f"completep) with --model.base_dim, the proxy's width, or drop "
+                             f"{'it' if len(given) == 1 else 'them'}")
         return
+    if not 0 <= args.base_head_dim <= args.head_dim or args.base_head_dim % 2:
+        raise ValueError(f"model.base_head_dim is the proxy's head_dim: an even number in 2..head_dim "
+                         f"({args.head_dim}), or 0 for head_dim itself, got {args.base_head_dim}")
     if not 0 < args.base_dim <= args.dim or args.dim % args.base_dim:
         examples = [d for d in range(args.dim // 8, args.dim + 1) if d > 0 and args.dim % d == 0][:3]
         raise ValueError(f"model.parametrization {p} needs model.base_dim, the proxy width the hyperparameters were "
@@ -94,11 +121,26 @@ class Multipliers:
     depth: float
     """m_L = n_layers / base_n_layers (1 unless completep)."""
     query: float
-    """Factor on the queries before attention's own 1/sqrt(head_dim): 1/sqrt(head_dim) makes the scores 1/head_dim."""
+    """Factor on the queries before attention's own 1/sqrt(head_dim): attn_mult sqrt(base_head_dim / head_dim) makes
+    the scores attn_mult q.k sqrt(base_head_dim) / head_dim (sp's q.k / sqrt(head_dim) at the proxy's head_dim)."""
     residual: float
     """Factor on every residual branch's output (attention and feed-forward): 1/m_L."""
     logits: float
-    """Factor on the final norm's output before the output projection: 1/m_N."""
+    """Factor on the final norm's output before the output projection: output_mult / m_N."""
+    input: float = 1.0
+    """Factor on the embedding's output: input_mult."""
+
+
+def predated(saved: dict) -> dict:
+    """The parametrization fields that a checkpoint's saved [model] table (its config.toml) lacks, at the values its
+    code trained with: sp before model.parametrization existed; and before the base multipliers, mup/completep's
+    scores q.k / head_dim, which mup_attn_mult 1/sqrt(head_dim) gives at base_head_dim 0 (so a resume that would
+    change them is refused, naming the field and the checkpoint's value, which resumes it as it was)."""
+    out = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, "base_head_dim": 0, "mup_input_mult": 1.0,
+           "mup_output_mult": 1.0, "mup_attn_mult": 1.0}
+    if saved.get("parametrization", "sp") != "sp" and "mup_attn_mult" not in saved:
+        out["mup_attn_mult"] = 1.0 / math.sqrt(saved["dim"] // saved["n_heads"])
+    return {k: v for k, v in out.items() if k not in saved}
 
 
 def multipliers(args) -> Multipliers:
@@ -107,7 +149,13 @@ def multipliers(args) -> Multipliers:
         return Multipliers(1.0, 1.0, 1.0, 1.0, 1.0)
     width = args.dim / args.base_dim
     depth = args.n_layers / args.base_n_layers if args.parametrization == "completep" else 1.0
-    return Multipliers(width, depth, 1.0 / math.sqrt(args.head_dim), 1.0 / depth, 1.0 / width)
+    query = args.mup_attn_mult * math.sqrt(base_head_dim(args) / args.head_dim)
+    return Multipliers(width, depth, query, 1.0 / depth, args.mup_output_mult / width, args.mup_input_mult)
+
+
+def base_head_dim(args) -> int:
+    """The proxy's head_dim: model.base_head_dim, or model.head_dim when 0 (the heads, not their size, grow)."""
+    return args.base_head_dim or args.head_dim
 
 
 def is_hidden(name: str) -> bool:
@@ -144,10 +192,9 @@ def optimizer_settings(args, name: str, muon: bool, weight_decay: float, eps: fl
     decay, mult = weight_decay, 1.0
     if is_hidden(name):
         mult = 1.0 / math.sqrt(m.width) if muon else 1.0 / m.width
-        if args.parametrization == "completep":
-            decay /= mult  # lr * wd stays the proxy's (independent weight decay)
-    completep = args.parametrization == "completep"
-    return {"lr_mult": mult, "weight_decay": decay, "eps": eps / (m.width * m.depth) if completep else eps}
+        decay /= mult  # lr * wd stays the proxy's (independent weight decay)
+    # Every gradient shrinks as 1/m_N (the logits carry 1/m_N): eps keeps its place beside them.
+    return {"lr_mult": mult, "weight_decay": decay, "eps": eps / (m.width * m.depth)}
 
 
 def fold(args, state: dict, inverse: bool = False) -> dict:
@@ -162,7 +209,8 @@ def fold(args, state: dict, inverse: bool = False) -> dict:
     """
     m = multipliers(args)
     # An MoE's residual branch is the weighted sum of its experts' and shared experts' w2 outputs: linear in each.
-    factors = {"attention.wq.weight": m.query, **dict.fromkeys(RESIDUAL_WRITERS, m.residual)}
+    factors = {"attention.wq.weight": m.query, "tok_embeddings.weight": m.input,
+               **dict.fromkeys(RESIDUAL_WRITERS, m.residual)}
     out = {}
     for k, v in state.items():
         f = m.logits if k == "output.weight" else next((x for s, x in factors.items() if k.endswith(s)), 1.0)

@@ -87,6 +87,13 @@ PRE_GROUP = [
                                                                    "32, 64), got 48"),
     (["--model.parametrization", "completep", "--model.base_dim", "64"], "completep needs model.base_n_layers"),
     (["--model.base_dim", "64"], "model.base_dim and model.base_n_layers apply only under model.parametrization mup"),
+    (["--model.parametrization", "mup", "--model.base_dim", "64", "--model.mup_output_mult", "0"],
+     "model.mup_output_mult must be a finite number > 0 (1: the default), got 0.0"),
+    (["--model.mup_input_mult", "4"], "model.mup_input_mult applies only under model.parametrization mup or completep; "
+                                      "set --model.parametrization mup (or completep) with --model.base_dim, the "
+                                      "proxy's width, or drop it"),
+    (["--model.parametrization", "mup", "--model.base_dim", "64", "--model.base_head_dim", "48"],
+     "model.base_head_dim is the proxy's head_dim: an even number in 2..head_dim (32), or 0 for head_dim itself, got 48"),
 ]
 
 

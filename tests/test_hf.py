@@ -54,10 +54,13 @@ def hf_tensors(folder) -> dict[str, torch.Tensor]:
 
 MUP = dict(parametrization="mup", base_dim=16)
 COMPLETEP = dict(parametrization="completep", base_dim=16, base_n_layers=1)
+MUP_MULTS = dict(parametrization="mup", base_dim=16, base_head_dim=4, mup_input_mult=4.0, mup_output_mult=2.0,
+                 mup_attn_mult=1.5)
+"""mup with every base multiplier away from 1 and a proxy head_dim of 4 (GQA's is 8): each folds into a weight."""
 
 
-@pytest.mark.parametrize("shape", [GQA, PRESETS["debug"], {**GQA, **MUP}, {**GQA, **COMPLETEP}],
-                         ids=["gqa", "debug", "mup", "completep"])
+@pytest.mark.parametrize("shape", [GQA, PRESETS["debug"], {**GQA, **MUP}, {**GQA, **COMPLETEP}, {**GQA, **MUP_MULTS}],
+                         ids=["gqa", "debug", "mup", "completep", "mup_mults"])
 def test_exported_logits_equal_ours_under_transformers(tmp_path, tok_path, shape):
     """The export folds mup/completep's multipliers into the weights: plain LlamaForCausalLM gives our logits."""
     args = ModelArgs(**shape)
@@ -74,7 +77,7 @@ def test_exported_logits_equal_ours_under_transformers(tmp_path, tok_path, shape
     assert (ours - theirs).abs().max().item() <= (1e-5 if "parametrization" in shape else 1e-4)
 
 
-@pytest.mark.parametrize("shape", [MUP, COMPLETEP], ids=["mup", "completep"])
+@pytest.mark.parametrize("shape", [MUP, COMPLETEP, MUP_MULTS], ids=["mup", "completep", "mup_mults"])
 def test_an_export_imported_into_its_parametrization_gives_back_its_weights(tmp_path, tok_path, shape):
     """init_from_hf of a mup/completep export into the same parametrization: the run's own weights (the multipliers
     divided back out), so training continues from the same function and the same optimizer geometry."""

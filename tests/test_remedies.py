@@ -20,6 +20,7 @@ new one without a row here fails: write its test, then add the row.
 | checkpoint.py | `fix the store or disk, then run the same command` | test_objectstore.py::test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_like_the_local_run |
 | nn/parametrization.py | `set --model.parametrization mup (or completep), or drop them` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |
 | nn/parametrization.py | `set --model.parametrization completep, or drop it` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |
+| nn/parametrization.py | `set --model.parametrization mup (or completep) with --model.base_dim, the proxy's width, or drop {}` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |
 | config.py | `set --model.eot_id {}` | test_long_context.py::test_a_tokenizer_whose_eot_is_elsewhere_is_refused_with_the_fix |
 | data_pipeline/filesplit.py | `or pass --data.decode_errors replace` | test_bad_input.py::test_undecodable_bytes_can_be_replaced_on_request |
 | data_pipeline/sources.py | `or pass --data.decode_errors replace` | test_bad_input.py::test_undecodable_bytes_can_be_replaced_on_request |
@@ -127,6 +128,12 @@ def test_parametrization_remedies_are_accepted_as_printed():
         with pytest.raises(ConfigError, match=f"set {fix[0]} {fix[1]}"):
             parse_config(["--config", DEBUG, *argv])
         assert parse_config(["--config", DEBUG, *argv, *fix]).model.parametrization == fix[1]
+    # A base multiplier under sp: the printed fix, with a base_dim (the debug model is 128 wide).
+    with pytest.raises(ConfigError, match="set --model.parametrization mup \\(or completep\\) with --model.base_dim"):
+        parse_config(["--config", DEBUG, "--model.mup_input_mult", "4"])
+    fixed = parse_config(["--config", DEBUG, "--model.mup_input_mult", "4", "--model.parametrization", "mup",
+                          "--model.base_dim", "64"]).model
+    assert (fixed.parametrization, fixed.mup_input_mult) == ("mup", 4.0)
 
 
 def test_device_remedies_are_accepted_as_printed(monkeypatch):

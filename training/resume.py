@@ -23,6 +23,7 @@ from core.errors import SetupError
 from data import mixture_note
 from data_pipeline.tokenizer import same_tokenizer
 from model import MOE_FIELDS, ModelArgs, Transformer
+from nn import parametrization
 from storage import fs
 from storage.rundir import CONFIG_FILE, RunDir
 
@@ -42,8 +43,8 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
         return None, ""
     check_steps_left(path, cfg.train.steps)  # nothing could run, and config.toml would get a train.steps never run
     saved = saved_config(path)  # read once: on a store every read is a request
-    if saved.get("model"):  # saved before model.parametrization existed: it was sp
-        saved["model"] = {"parametrization": "sp", "base_dim": 0, "base_n_layers": 0, **saved["model"]}
+    if saved.get("model"):  # saved before model.parametrization (sp) or the base multipliers (mup's q.k / head_dim)
+        saved["model"] = {**parametrization.predated(saved["model"]), **saved["model"]}
     check_same_experts(path, saved.get("model", {}), cfg.model.n_experts)
     # Fields first: they name what differs, where shapes could only list tensors.
     check_same_config(path, saved, "model", dataclasses.asdict(cfg.model))

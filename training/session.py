@@ -110,12 +110,15 @@ def loss_description(cfg: Config, mesh: DeviceMesh) -> str:
 
 
 def parametrization_note(cfg) -> str:
-    """' (mup, base_dim 64)' for the start line under mup/completep; '' under sp."""
+    """' (mup, base_dim 64)' for the start line under mup/completep, with base_head_dim and the base multipliers
+    that are not at their defaults (', mup_input_mult 16'); '' under sp."""
     m = cfg.model
     if m.parametrization == "sp":
         return ""
     depth = f", base_n_layers {m.base_n_layers}" if m.parametrization == "completep" else ""
-    return f" ({m.parametrization}, base_dim {m.base_dim}{depth})"
+    given = [f", {f} {getattr(m, f):g}" for f in ("base_head_dim", "mup_input_mult", "mup_output_mult", "mup_attn_mult")
+             if getattr(m, f) != (0 if f == "base_head_dim" else 1.0)]
+    return f" ({m.parametrization}, base_dim {m.base_dim}{depth}{''.join(given)})"
 
 
 def params_description(m) -> str:
