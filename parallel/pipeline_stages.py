@@ -86,7 +86,7 @@ class StageModule(Transformer):
     def __init__(self, model: Transformer, stage: int, n_stages: int):
         nn.Module.__init__(self)
         object.__setattr__(self, "whole", model)  # not a child: the model is not part of the stage
-        self.args, self.logits_scale = model.args, model.logits_scale
+        self.args, self.logits_scale, self.input_scale = model.args, model.logits_scale, model.input_scale
         keep = stage_layers(len(model.layers), n_stages, stage)
         self.tok_embeddings = model.tok_embeddings if stage == 0 else None
         self.layers = nn.ModuleList(b if i in keep else PassThrough() for i, b in enumerate(model.layers))
