@@ -2,6 +2,7 @@
 whole gradients, replicated norm weights, checkpoints shared with train_fsdp.py both ways, and
 layouts that cannot split failing before any collective."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -149,8 +150,10 @@ LAYOUTS = {  # name: (ranks, script, overrides)
     "hsdp2x2": (4, "train_fsdp.py", HSDP),
     "dp2xtp2": (4, "train_2d.py", ("--parallel.tp", "2")),
 }
-# Each layout saves and the next resumes: every ordered pair of different layouts occurs once.
+# Each layout saves and the next resumes: every ordered pair of different layouts occurs once. The first is the
+# conftest reference's step-2 checkpoint (fsdp2, train_fsdp.py): the chain's runs are its steps 3, 4, ...
 CHAIN = ["fsdp2", "hsdp2x2", "dp2xtp2", "fsdp2", "dp2xtp2", "hsdp2x2", "fsdp2"]
+FIRST = 2
 
 
 @pytest.mark.slow
@@ -158,15 +161,17 @@ def test_checkpoints_move_between_fsdp_hsdp_and_2d_and_continue_the_run(tmp_path
     # One step per link in one run directory; DCP reshards at every change of layout and world size.
     rd = tmp_path / "run"
     prepared_data_dir(rd)
-    for step, name in enumerate(CHAIN, start=1):
+    start = f"step_{FIRST:08d}"
+    shutil.copytree(reference / "checkpoints" / start, rd / "checkpoints" / start)
+    for step, name in enumerate(CHAIN[1:], start=FIRST + 1):
         nproc, script, overrides = LAYOUTS[name]
         # All steps are in the LR warmup, so the schedule does not depend on train.steps.
         debug_run(nproc, rd, "--train.steps", str(step), "--checkpoint.interval", "1", "--train.val_interval", "0",
                   *overrides, script=script, timeout=240)
-    assert [r["step"] for r in metrics(rd) if "loss" in r] == list(range(1, len(CHAIN) + 1))  # each run resumed
+    steps = list(range(FIRST + 1, FIRST + len(CHAIN)))
+    assert [r["step"] for r in metrics(rd) if "loss" in r] == steps  # each run resumed
     uninterrupted, got = losses(reference), losses(rd)
-    errors = {f"{CHAIN[step - 2]}->{name}" if step > 1 else name: rel(got[step], uninterrupted[step])
-              for step, name in enumerate(CHAIN, start=1)}
+    errors = {f"{CHAIN[i]}->{CHAIN[i + 1]}": rel(got[step], uninterrupted[step]) for i, step in enumerate(steps)}
     print("relative loss difference vs the uninterrupted run:", {k: f"{v:.1e}" for k, v in errors.items()})
     assert max(errors.values()) <= LOSS_RTOL, errors
 
