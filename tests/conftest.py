@@ -1,7 +1,9 @@
 """Shared test set-up: offline Hugging Face and W&B, the project root importable, CPU only."""
+import hashlib
 import json
 import os
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -21,7 +23,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from launch import DEBUG, GRAD_STEPS, REFERENCE_ARGS, debug_run, prepared_data_dir, torchrun  # noqa: E402
+from launch import (  # noqa: E402
+    DEBUG,
+    GRAD_STEPS,
+    REFERENCE_ARGS,
+    debug_run,
+    made_once,
+    prepared_data_dir,
+    shared_root,
+    torchrun,
+)
 from parallel import distributed  # noqa: E402
 from parallel.float8 import quiet_torchao_logs  # noqa: E402
 
@@ -31,23 +42,55 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 class GradRuns:
-    """grads(nproc, tp, *overrides): tests/grad_worker.py's result over GRAD_STEPS steps, each run once per session.
+    """grads(nproc, tp, *overrides): tests/grad_worker.py's result over GRAD_STEPS steps, each run once per test run.
 
     prefetch(keys) runs every missing (nproc, tp, *overrides) of keys with one torchrun launch per
     world size (grad_worker.py --jobs): a module that compares many layouts pays torchrun's and
-    its workers' start-up once per world size instead of once per layout.
+    its workers' start-up once per world size instead of once per layout. The xdist workers share the
+    results (a file per key in a shared directory): a key is claimed by the first worker that needs it, and
+    another worker needing it waits for that file instead of running it again (test_2d.py's 1-process
+    references serve test_float8.py and test_multinode.py too).
     """
 
     def __init__(self, tmp_path_factory):
         self.tmp, self.cache = tmp_path_factory, {}
+        self.shared = shared_root(tmp_path_factory) / "grad_runs"
+        self.shared.mkdir(exist_ok=True)
 
     def __call__(self, nproc: int, tp: int, *overrides: str) -> dict:
         key = (nproc, tp, *overrides)
         self.prefetch([key])
         return self.cache[key]
 
+    def _file(self, key, suffix: str = ".pt"):
+        return self.shared / (hashlib.sha1(json.dumps(key).encode()).hexdigest() + suffix)
+
     def prefetch(self, keys) -> None:
-        missing = [k for k in dict.fromkeys(tuple(k) for k in keys) if k not in self.cache]
+        wanted = [k for k in dict.fromkeys(tuple(k) for k in keys) if k not in self.cache]
+        mine = []
+        for k in wanted:
+            try:  # claim it: O_EXCL lets one worker of the run create the claim
+                os.close(os.open(self._file(k, ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                mine.append(k)
+            except FileExistsError:
+                pass
+        try:
+            self._run(mine)
+        except BaseException:
+            for k in mine:
+                if not self._file(k).exists():
+                    self._file(k, ".failed").write_text("")
+            raise
+        for k in wanted:  # the others' claims: wait for their results
+            deadline = time.time() + 1800
+            while not self._file(k).exists():
+                if self._file(k, ".failed").exists():
+                    raise AssertionError(f"grad_worker run {k} failed in another xdist worker (see its error)")
+                assert time.time() < deadline, f"grad_worker run {k} of another xdist worker never finished"
+                time.sleep(0.2)
+            self.cache[k] = torch.load(self._file(k))
+
+    def _run(self, missing) -> None:
         for nproc in sorted({k[0] for k in missing}):
             batch = [k for k in missing if k[0] == nproc]
             root = self.tmp.mktemp(f"grads_{nproc}")
@@ -62,7 +105,7 @@ class GradRuns:
                 json.dump(jobs, f)
             torchrun(nproc, "tests/grad_worker.py", "--jobs", str(root / "jobs.json"), timeout=180 + 60 * len(batch))
             for key, job in zip(batch, jobs):
-                self.cache[key] = torch.load(job[1])
+                os.replace(job[1], self._file(key))  # whole or absent: the waiters poll for it
 
 
 @pytest.fixture(scope="session")
@@ -73,16 +116,29 @@ def worker(tmp_path_factory) -> GradRuns:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """An uninterrupted run with REFERENCE_ARGS on 2 ranks that keeps every checkpoint (steps 2, 4, ... 10)."""
-    ref = tmp_path_factory.mktemp("ref")
-    prepared_data_dir(ref)
-    debug_run(2, ref, *REFERENCE_ARGS, "--checkpoint.keep", "0")
-    return ref
+    """An uninterrupted run with REFERENCE_ARGS on 2 ranks that keeps every checkpoint (steps 2, 4, ... 10); made
+    once per test run, shared by the xdist workers. Read it, never write into it."""
+    def make(ref):
+        prepared_data_dir(ref)
+        debug_run(2, ref, *REFERENCE_ARGS, "--checkpoint.keep", "0")
+    return made_once(tmp_path_factory, "reference", make)
 
 
-LONGEST_FIRST = ["test_2d.py", "test_downstream.py", "test_mixture.py", "test_recipe.py", "test_checkpoint.py",
-                 "test_context_parallel.py", "test_float8.py", "test_objectstore.py", "test_restart.py", "test_muon.py"]
-"""The test files that take longest (a minute or more on 2 cores), longest first."""
+LONGEST_FIRST = ["test_bad_input.py", "test_checkpoint.py", "test_2d.py", "test_rollback.py", "test_hf.py",
+                 "test_float8.py", "test_moe.py", "test_mixture.py", "test_pipeline.py", "test_downstream.py",
+                 "test_context_parallel.py", "test_restart.py", "test_objectstore.py", "test_observability.py",
+                 "test_data.py", "test_recipe.py", "test_ladder.py", "test_muon.py", "test_multinode.py",
+                 "test_cli_input.py", "test_optim.py", "test_train.py"]
+"""The test files that take longest (half a minute or more on 2 busy cores, measured with the whole suite), longest
+first: the workers take them first and end on the quick files, together."""
+
+
+def pytest_configure(config):
+    """Keep the order below: pytest-xdist's --dist loadfile otherwise deals the files out by their number of tests
+    (--loadscope-reorder, on by default), which put test_bad_input.py's quick cases first and left one worker
+    alone with test_downstream.py at the end."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items):

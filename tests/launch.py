@@ -1,6 +1,7 @@
 """Run the project's scripts under torchrun as a user would, with a timeout so a hang fails."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -149,15 +150,52 @@ def losses(run_dir) -> dict[int, float]:
 
 
 def prepared_data_dir(dest) -> None:
-    """Copy the debug corpus, tokenized once per test session, into run directory dest/data.
+    """Copy the debug corpus, tokenized once per test run, into run directory dest/data.
 
-    Saves each test the tokenizer training and tokenization (prepare.prepare reuses it).
+    Saves each test the tokenizer training and tokenization (prepare.prepare reuses it). The xdist workers of one
+    run share the copy (the first to ask prepares it under a lock; the others wait for it).
     """
-    cache = os.path.join(tempfile.gettempdir(), f"llama_pretrain_test_data_{os.getpid()}")
-    if not os.path.exists(os.path.join(cache, "meta.json")):
-        cfg = parse_config(["--config", DEBUG])
-        prepare.prepare(cfg.data, cache)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    cache = os.path.join(tempfile.gettempdir(), f"llama_pretrain_test_data_{run}")
+    with locked(cache + ".lock"):
+        if not os.path.exists(os.path.join(cache, "meta.json")):
+            cfg = parse_config(["--config", DEBUG])
+            prepare.prepare(cfg.data, cache)
     shutil.copytree(cache, os.path.join(str(dest), "data"), dirs_exist_ok=True)
+
+
+@contextmanager
+def locked(path):
+    """An exclusive lock on file path (created if missing) for the with-block: across the xdist workers."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_root(tmp_path_factory):
+    """The temporary directory every xdist worker of this test run shares (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def made_once(tmp_path_factory, name: str, make):
+    """Directory `name`, filled by make(path) once per test run for every xdist worker; returns its path.
+
+    The first worker to ask makes it under a lock, the others wait and reuse it: a reference run that tests
+    in several files compare against is paid once, not once per worker. If make raises, the next caller retries.
+    """
+    root = shared_root(tmp_path_factory)
+    path = root / f"once_{name}"
+    with locked(str(root / f"once_{name}.lock")):
+        if not (root / f"once_{name}.made").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            make(path)
+            (root / f"once_{name}.made").write_text("")
+    return path
 
 
 @contextmanager

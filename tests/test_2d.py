@@ -2,6 +2,7 @@
 whole gradients, replicated norm weights, checkpoints shared with train_fsdp.py both ways, and
 layouts that cannot split failing before any collective."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -102,19 +103,27 @@ LAYOUT_IDS = ["fsdp2", "dp1xtp2_accumulating", "dp2xtp2", "chunked_ws1_accumulat
         "mup_fsdp2", "mup_dp1xtp2", "completep_dp1xtp2", "completep_hsdp2x2"]
 
 
+def _job(overrides: tuple, path: str) -> tuple:
+    """The worker's overrides for a layout case: a document-masked case is the logits test's run of its layout (the
+    --logits_of forward comes before training and changes nothing in it), one job for both tests."""
+    return (*overrides, "--logits_of", path) if overrides == DOCMASK else overrides
+
+
 @pytest.fixture(scope="module")
 def grads(worker, packed_tokens):
     """The session's worker, with every run this module compares fetched at once: one launch per world size."""
     path = packed_tokens[0]
-    worker.prefetch([(1, 1, *ref) for *_, ref in LAYOUT_CASES] + [(n, tp, *o) for n, tp, o, _ in LAYOUT_CASES]
+    worker.prefetch([(1, 1, *_job(ref, path)) for *_, ref in LAYOUT_CASES]
+                    + [(n, tp, *_job(o, path)) for n, tp, o, _ in LAYOUT_CASES]
                     + [(n, tp, *DOCMASK, "--logits_of", path) for n, tp in DOCMASK_LAYOUTS] + [(4, 2)])
     return worker
 
 
 @pytest.mark.parametrize("nproc, tp, overrides, reference", LAYOUT_CASES, ids=LAYOUT_IDS)
 @pytest.mark.slow
-def test_layouts_match_one_process_in_losses_and_gradients(grads, nproc, tp, overrides, reference):
-    ref, got = grads(1, 1, *reference), grads(nproc, tp, *overrides)
+def test_layouts_match_one_process_in_losses_and_gradients(grads, packed_tokens, nproc, tp, overrides, reference):
+    path = packed_tokens[0]
+    ref, got = grads(1, 1, *_job(reference, path)), grads(nproc, tp, *_job(overrides, path))
     # Initial weights do not depend on world size or layout: bit for bit.
     assert got["init"].keys() == ref["init"].keys()
     assert all(torch.equal(got["init"][k], v) for k, v in ref["init"].items())
@@ -149,8 +158,10 @@ LAYOUTS = {  # name: (ranks, script, overrides)
     "hsdp2x2": (4, "train_fsdp.py", HSDP),
     "dp2xtp2": (4, "train_2d.py", ("--parallel.tp", "2")),
 }
-# Each layout saves and the next resumes: every ordered pair of different layouts occurs once.
+# Each layout saves and the next resumes: every ordered pair of different layouts occurs once. The first is the
+# conftest reference's step-2 checkpoint (fsdp2, train_fsdp.py): the chain's runs are its steps 3, 4, ...
 CHAIN = ["fsdp2", "hsdp2x2", "dp2xtp2", "fsdp2", "dp2xtp2", "hsdp2x2", "fsdp2"]
+FIRST = 2
 
 
 @pytest.mark.slow
@@ -158,15 +169,17 @@ def test_checkpoints_move_between_fsdp_hsdp_and_2d_and_continue_the_run(tmp_path
     # One step per link in one run directory; DCP reshards at every change of layout and world size.
     rd = tmp_path / "run"
     prepared_data_dir(rd)
-    for step, name in enumerate(CHAIN, start=1):
+    start = f"step_{FIRST:08d}"
+    shutil.copytree(reference / "checkpoints" / start, rd / "checkpoints" / start)
+    for step, name in enumerate(CHAIN[1:], start=FIRST + 1):
         nproc, script, overrides = LAYOUTS[name]
         # All steps are in the LR warmup, so the schedule does not depend on train.steps.
         debug_run(nproc, rd, "--train.steps", str(step), "--checkpoint.interval", "1", "--train.val_interval", "0",
                   *overrides, script=script, timeout=240)
-    assert [r["step"] for r in metrics(rd) if "loss" in r] == list(range(1, len(CHAIN) + 1))  # each run resumed
+    steps = list(range(FIRST + 1, FIRST + len(CHAIN)))
+    assert [r["step"] for r in metrics(rd) if "loss" in r] == steps  # each run resumed
     uninterrupted, got = losses(reference), losses(rd)
-    errors = {f"{CHAIN[step - 2]}->{name}" if step > 1 else name: rel(got[step], uninterrupted[step])
-              for step, name in enumerate(CHAIN, start=1)}
+    errors = {f"{CHAIN[i]}->{CHAIN[i + 1]}": rel(got[step], uninterrupted[step]) for i, step in enumerate(steps)}
     print("relative loss difference vs the uninterrupted run:", {k: f"{v:.1e}" for k, v in errors.items()})
     assert max(errors.values()) <= LOSS_RTOL, errors
 

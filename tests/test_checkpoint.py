@@ -165,10 +165,13 @@ def test_checkpoint_of_another_model_names_keys_and_shapes(tmp_path, single_rank
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_another_model_stops_the_run_before_anything_is_overwritten(tmp_path):
+def test_a_checkpoint_of_another_model_stops_the_run_before_anything_is_overwritten(tmp_path, reference):
     rd = tmp_path / "run"
     prepared_data_dir(rd)
-    debug_run(1, rd, "--train.steps", "2", "--checkpoint.interval", "1")
+    for step in ("step_00000002", "step_00000004"):  # the conftest reference's, of model.n_layers 4
+        shutil.copytree(reference / "checkpoints" / step, rd / "checkpoints" / step)
+    for f in ("config.toml", "metrics.jsonl"):  # what a run that went on would rewrite first
+        shutil.copy(reference / f, rd / f)
     before = {p: os.path.getmtime(p) for p in _files(rd)}
     proc = debug_run(2, rd, "--train.steps", "4", "--model.n_layers", "2", check=False, timeout=120)
     assert proc.returncode != 0

@@ -16,6 +16,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks._yaml_loader import load_yaml  # the loader of the harness's task YAML (!function, include)
 
 import evaluate
+import hf
 import train_fsdp
 from data_pipeline import tokenizer
 from evaluation import downstream
@@ -174,8 +175,7 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_an
     assert {step: _scores(metrics(pp2), step) for step in (5, 10)} == ours
 
     export = tmp_path / "export"
-    subprocess.run([sys.executable, "hf.py", "export", "--run_dir", str(one), "--out", str(export)], cwd=ROOT,
-                   check=True, timeout=300, capture_output=True)
+    assert hf.main(["export", "--run_dir", str(one), "--out", str(export)]) == 0  # in this process: no start-up
     out = tmp_path / "lm_eval"
     # From the checkout's root, where our evaluate.py lies on sys.path ahead of Hugging Face's evaluate.
     proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
