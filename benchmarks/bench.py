@@ -94,6 +94,23 @@ def local_bytes(tensors) -> int:
     return total
 
 
+def worker_trainable(argv: list[str], steps: int) -> tuple:
+    """A benchmark worker's run under torchrun, built as the trainers build it: (flags, cfg, rank, world, mesh,
+    Trainable). argv: --steps N (default steps), --json FILE (required), then config overrides; one thread per
+    process. Collective (it initialises the process group and builds the sharded model)."""
+    torch.set_num_threads(1)
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--json", required=True)
+    a, rest = p.parse_known_args(argv)
+    cfg = config_lib.parse_config(rest)
+    config_lib.validate(cfg, distributed.world_size())
+    rank, world, device = distributed.init_distributed(cfg.train.device)
+    par = cfg.parallel
+    mesh = parallelize.build_mesh(device, world, par.tp, par.dp_replicate, par.cp, par.ep, par.pp)
+    return a, cfg, rank, world, mesh, build_trainable(cfg, rank, mesh, device)
+
+
 def load_model_source(src: str):
     """model.py of directory src as a module, imported under a private name (so it never
     replaces this checkout's `model`)."""

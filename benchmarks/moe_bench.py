@@ -224,34 +224,20 @@ def ep_worker(argv: list[str]) -> None:
     from torch.distributed.tensor import DTensor
     from torch.profiler import ProfilerActivity, profile
 
-    import config as config_lib
-    from bench import synthetic_batches
+    from bench import local_bytes, synthetic_batches, worker_trainable
     from nn.moe import MoE
-    from parallel import distributed, parallelize
-    from training.step import build_trainable, train_step
+    from training.step import train_step
 
-    torch.set_num_threads(1)
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--json", required=True)
-    a, rest = p.parse_known_args(argv)
-    cfg = config_lib.parse_config(rest)
-    config_lib.validate(cfg, distributed.world_size())
-    rank, world, device = distributed.init_distributed(cfg.train.device)
+    a, cfg, rank, world, mesh, t = worker_trainable(argv, 3)
     par = cfg.parallel
-    mesh = parallelize.build_mesh(device, world, par.tp, par.dp_replicate, par.cp, par.ep)
-    t = build_trainable(cfg, rank, mesh, device)
     experts = [p for m in t.model.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
-
-    def nbytes(ts):
-        return sum((x.to_local() if isinstance(x, DTensor) else x).numel() * x.element_size() for x in ts)
 
     batches = synthetic_batches(cfg, world, 1 + a.steps)
     train_step(t, batches[0])  # the optimizer state exists after one step
     state = [v for p in experts for v in t.optimizer.state[p].values() if isinstance(v, torch.Tensor) and v.dim()]
     full = sum(p.numel() * p.element_size() for p in experts)  # the DTensors' global shapes
-    mem = {"params": nbytes(experts), "grads": nbytes([p.grad for p in experts if p.grad is not None]),
-           "optim": nbytes(state), "full": full, "gathered": full // par.ep,
+    mem = {"params": local_bytes(experts), "grads": local_bytes([p.grad for p in experts if p.grad is not None]),
+           "optim": local_bytes(state), "full": full, "gathered": full // par.ep,
            "local_w1": list((experts[0].to_local() if isinstance(experts[0], DTensor) else experts[0]).shape)}
     names = ("all_to_all", "alltoall", "wait_tensor")
     steps, shares = [], []

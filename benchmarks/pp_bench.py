@@ -68,24 +68,12 @@ def worker(argv: list[str]) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import stage as pp_stage
-    from torch.distributed.tensor import DTensor
 
-    import config as config_lib
-    from bench import synthetic_batches
-    from parallel import distributed, parallelize
-    from training.step import build_trainable, train_step
+    from bench import local_bytes, synthetic_batches, worker_trainable
+    from parallel import parallelize
+    from training.step import train_step
 
-    torch.set_num_threads(1)
-    p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--json", required=True)
-    a, rest = p.parse_known_args(argv)
-    cfg = config_lib.parse_config(rest)
-    config_lib.validate(cfg, distributed.world_size())
-    rank, world, device = distributed.init_distributed(cfg.train.device)
-    par = cfg.parallel
-    mesh = parallelize.build_mesh(device, world, par.tp, par.dp_replicate, par.cp, par.ep, par.pp)
-    t = build_trainable(cfg, rank, mesh, device)
+    a, cfg, rank, world, mesh, t = worker_trainable(argv, 5)
     busy = [0.0, 0.0]  # [inside the stages' compute, inside the schedule's step] this step, seconds
 
     def timed(fn, slot):
@@ -103,9 +91,6 @@ def worker(argv: list[str]) -> None:
     if t.pipeline is not None:
         t.pipeline.schedule.step = timed(t.pipeline.schedule.step, 1)
 
-    def local(ts):
-        return sum((x.to_local() if isinstance(x, DTensor) else x).numel() * x.element_size() for x in ts)
-
     batches = synthetic_batches(cfg, parallelize.dp_mesh(mesh).size(), 2 + a.steps)
     for b in batches[:2]:  # shape inference, then a first ordinary step
         train_step(t, b)
@@ -121,8 +106,8 @@ def worker(argv: list[str]) -> None:
         walls.append(time.perf_counter() - t0)
         if busy[1]:
             idle.append(1 - busy[0] / busy[1])
-    out = torch.tensor([statistics.median(walls), statistics.median(idle) if idle else 0.0, local(t.model.parameters()),
-                        local(state), _Saved.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
+    out = torch.tensor([statistics.median(walls), statistics.median(idle) if idle else 0.0, local_bytes(t.model.parameters()),
+                        local_bytes(state), _Saved.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0],
                        dtype=torch.float64)
     gathered = [torch.zeros_like(out) for _ in range(world)]
     dist.all_gather(gathered, out)
