@@ -386,8 +386,7 @@ def loglikelihoods(model: torch.nn.Module, requests: list[Request], device: torc
                     else token_logprobs(model, x, y, has_tp(mesh))).double().sum(dim=1)
             if b < len(mine):
                 sums[batch] = logp[:len(batch)]
-    for module in [model] + ([m for _, m in pipeline.stages] if pipeline is not None else []):
-        reshard(module)
+    reshard(model, pipeline)
     model.train()
     dist.all_reduce(sums, group=dp_group)  # each request was scored by exactly one rank
     return sums.tolist()

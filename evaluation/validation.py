@@ -78,14 +78,17 @@ def val_record(losses: dict[str, float], sets: list[ValSet]) -> dict:
     return {"val_loss": val, "val_ppl": math.exp(min(val, 50)), **{f"val_loss/{k}": x for k, x in losses.items()}}
 
 
-def reshard(model: torch.nn.Module) -> None:
+def reshard(model: torch.nn.Module, pipeline=None) -> None:
     """Free the parameters that forward passes left gathered (every FSDP module resharded).
 
     With parallel.reshard_after_forward false a forward-only pass (validation, downstream
     scoring) keeps them gathered until the next backward, which would hold the unsharded
-    model through the training step that follows.
+    model through the training step that follows. pipeline: under pipeline parallelism this
+    rank's parallel.pipeline.Pipeline, whose stages are FSDP roots of their own outside model
+    when a rank runs several.
     """
-    for m in model.modules():
+    roots = [model] + ([m for _, m in pipeline.stages] if pipeline is not None else [])
+    for m in (m for root in roots for m in root.modules()):
         if isinstance(m, FSDPModule):
             m.reshard()
 
@@ -120,8 +123,7 @@ def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device,
             if i < len(vs.batches) and (pipeline is None or pipeline.is_last):
                 total[0] += scalar(loss).double()
                 total[1] += labels.numel()
-    for module in [model] + ([m for _, m in pipeline.stages] if pipeline is not None else []):
-        reshard(module)  # several stages per rank: each stage is its own FSDP root, outside model
+    reshard(model, pipeline)
     model.train()
     if pipeline is not None:
         dist.all_reduce(total, group=pipeline.group)
