@@ -30,7 +30,7 @@ from nn.moe import MoE
 from parallel import float8
 from parallel.context_parallel import apply_ulysses
 from parallel.expert_parallel import apply_expert_parallel, shard_experts
-from parallel.pipeline_stages import PassThrough, prune, rank_stages, stage_modules, stages_per_rank
+from parallel.pipeline_stages import ZERO_BUBBLE, PassThrough, prune, rank_stages, stage_modules, stages_per_rank
 
 TPPlan = dict[str, ParallelStyle]
 """A tensor-parallel plan: module name pattern (e.g. 'layers.*.attention.wq') -> its style."""
@@ -298,7 +298,12 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
                                                                       selective_policy))
         if compile:
             block.compile()
-    kwargs = dict(mesh=fsdp_mesh(mesh), reshard_after_forward=cfg.reshard_after_forward,
+    # A zero-bubble schedule's weight-gradient pass finds the parameters the forward used by the stage's parameters():
+    # resharded after the forward, those are the shards, not the gathered tensors in the graph, and the weight
+    # gradients that pass should give are lost. So their stages keep the parameters gathered until the step's
+    # gradient reduction (as torchtitan keeps them under any PP schedule).
+    zero_bubble = "pp" in names and cfg.pp_schedule in ZERO_BUBBLE
+    kwargs = dict(mesh=fsdp_mesh(mesh), reshard_after_forward=cfg.reshard_after_forward and not zero_bubble,
                   offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy())
     if dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -378,7 +383,7 @@ def build_model(args: ModelArgs, mesh: DeviceMesh, device: torch.device, seed: i
         model = Transformer(args)
     if "pp" in (mesh.mesh_dim_names or ()):
         pp, v = mesh["pp"].size(), stages_per_rank(cfg.pp_schedule, cfg.pp_stages_per_rank)
-        prune(model, rank_stages(mesh["pp"].get_local_rank(), pp, v), pp * v)
+        prune(model, rank_stages(mesh["pp"].get_local_rank(), pp, v, cfg.pp_schedule), pp * v)
     parallelize(model, mesh, cfg, dtype=dtype, activation_checkpointing=activation_checkpointing,
                 compile=compile, tp_plan=tp_plan, float8_recipe=float8_recipe)
     materialize(model, device, seed, cfg.cpu_offload)

@@ -37,7 +37,7 @@ from parallel.pipeline_stages import (
     MULTI_STAGE,
     SCHEDULES,
     SINGLE_STAGE,
-    ZERO_BUBBLE,
+    V_SHAPED,
     rank_stages,
     stage_modules,
     stages_per_rank,
@@ -52,11 +52,11 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
              micro_batch_size: int = 1, per_rank: int = 0) -> None:
     """The PP checks that need no collective; raises SetupError naming the numbers and the fix.
 
-    The schedule must be one of SCHEDULES and not a ZERO_BUBBLE one, with per_rank
-    (parallel.pp_stages_per_rank, 0: its default) stages per rank: 1 for 1F1B and GPipe, >= 2
-    for the others; pp x per_rank stages need a block each. The micro-batches must be at least
-    pp (fewer leave a stage idle for the whole step; 1F1B needs them), a multiple of their
-    rounds (m // pp) for Interleaved1F1B, and divide
+    The schedule must be one of SCHEDULES, with per_rank (parallel.pp_stages_per_rank, 0: its
+    default) stages per rank: 1 for 1F1B and GPipe, exactly 2 for the V_SHAPED ones, >= 2 for
+    the others; pp x per_rank stages need a block each. The micro-batches must be at least pp
+    (fewer leave a stage idle for the whole step; 1F1B needs them), at least 2 pp for DualPipeV,
+    a multiple of their rounds (m // pp) for the interleaved schedules, and divide
     local_batch, the sequences each data-parallel rank runs per step; a local_batch below pp is
     refused naming train.global_batch_size (dp data-parallel ranks, the loader's
     train.micro_batch_size sequences at a time) and the smallest batch that works.
@@ -66,11 +66,10 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
     if schedule not in SCHEDULES:
         raise SetupError(f"parallel.pp_schedule {schedule!r} is not a schedule here; use one of "
                          f"{', '.join(SCHEDULES)} (torch.distributed.pipelining's names)")
-    if schedule in ZERO_BUBBLE:
-        raise SetupError(f"parallel.pp_schedule {schedule} splits each backward into input and weight gradients, and "
-                         f"with FSDP here that loses part of the weight gradients (docs/pipeline.md); use "
-                         f"Interleaved1F1B (or LoopedBFS, 1F1B, GPipe)")
     v = stages_per_rank(schedule, per_rank)
+    if schedule in V_SHAPED and v != 2:
+        raise SetupError(f"parallel.pp_schedule {schedule} runs exactly 2 stages per rank, and "
+                         f"parallel.pp_stages_per_rank is {v}; use parallel.pp_stages_per_rank 2 (or 0)")
     if schedule in SINGLE_STAGE and v != 1:
         raise SetupError(f"parallel.pp_schedule {schedule} runs one stage per rank, and parallel.pp_stages_per_rank "
                          f"is {v}; use parallel.pp_stages_per_rank 1 (or 0), or Interleaved1F1B for several")
@@ -85,8 +84,12 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
     if microbatches < pp:
         raise SetupError(f"parallel.pp_microbatches ({microbatches}) is fewer than parallel.pp ({pp}): a stage would "
                          f"wait the whole step; use parallel.pp_microbatches >= {pp} (4 x pp keeps the bubble small)")
+    if schedule == "DualPipeV" and microbatches < 2 * pp:
+        raise SetupError(f"parallel.pp_schedule DualPipeV needs at least as many micro-batches as stages (2 x "
+                         f"parallel.pp = {2 * pp}), and parallel.pp_microbatches is {microbatches}; use "
+                         f"parallel.pp_microbatches >= {2 * pp}")
     rounds = max(1, microbatches // pp)
-    if schedule == "Interleaved1F1B" and microbatches % rounds:
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % rounds:
         raise SetupError(f"parallel.pp_schedule {schedule} runs the micro-batches in rounds of parallel.pp ({pp}): "
                          f"parallel.pp_microbatches ({microbatches}) must be a multiple of {rounds}; use "
                          f"{rounds * pp} or a multiple of {pp}")
@@ -276,7 +279,7 @@ def build_pipeline(model: Transformer, mesh: DeviceMesh, device: torch.device, s
     group, pp = pp_mesh.get_group(), pp_mesh.size()
     stages = stage_modules(model)
     n_stages = pp * len(stages)
-    stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(stages))}
+    stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(stages), schedule)}
     tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
     pipe = Pipeline(model, None, group, stages, n_stages, z_loss, act_dtype, microbatches, stage_rank,
                     seq_split=tp, context=loss_context(mesh))

@@ -4,8 +4,9 @@ The model is split into S = pp x v stages of contiguous blocks (v: stages per ra
 1F1B and GPipe, 2 or more for the interleaved schedules). Stage s of S holds
 ``stage_layers(n_layers, S, s)``; the first stage also holds the embedding, the last the final
 norm and the output projection. A rank of the pipeline group runs the stages
-``rank_stages(rank, pp, v)``: r, r + pp, r + 2 pp, ... ("loop" order, as Interleaved1F1B and
-LoopedBFS expect).
+``rank_stages(rank, pp, v, schedule)``: r, r + pp, r + 2 pp, ... ("loop" order, as Interleaved1F1B,
+LoopedBFS and InterleavedZeroBubble expect), or r and 2 pp - 1 - r ("V" order, ZBVZeroBubble and
+DualPipeV: the last rank runs the two middle stages and hands over between them directly).
 
 Each rank builds the whole Transformer on the meta device and prunes it (``prune``) to the
 union of its stages before any other wrapping, so every parameter keeps the full model's name
@@ -26,7 +27,10 @@ SINGLE_STAGE = ("1F1B", "GPipe")
 MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 """Schedules with several stages per rank (parallel.pp_stages_per_rank, 2 by default)."""
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-"""Schedules that split the backward into input and weight gradients: refused (pipeline.check_pp says why)."""
+"""Schedules that split the backward into input and weight gradients (parallelize keeps their stages' parameters
+gathered from the forward to the weight gradient)."""
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules whose 2 stages per rank go down and back up the ranks (rank_stages)."""
 SCHEDULES = SINGLE_STAGE + MULTI_STAGE
 """torch.distributed.pipelining's schedules by their names (its get_schedule_class)."""
 
@@ -43,9 +47,12 @@ def stage_layers(n_layers: int, n_stages: int, stage: int) -> range:
     return range(start, start + q + (stage < r))
 
 
-def rank_stages(rank: int, pp: int, per_rank: int) -> list[int]:
+def rank_stages(rank: int, pp: int, per_rank: int, schedule: str = "") -> list[int]:
     """The stage indices (of pp x per_rank) that pipeline rank runs, ascending: rank, rank + pp, ... (the loop order
-    of Interleaved1F1B and LoopedBFS; the V-shaped schedules' r and 2 pp - 1 - r would go here)."""
+    of Interleaved1F1B, LoopedBFS and InterleavedZeroBubble), or under a V_SHAPED schedule (per_rank 2) rank and
+    2 pp - 1 - rank, as torch's ZBVZeroBubble and DualPipeV place them."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(per_rank)]
 
 

@@ -47,23 +47,27 @@ def test_a_pruned_stage_keeps_the_full_models_names_and_only_its_part():
     assert "tok_embeddings.weight" in parts[0] and "output.weight" in parts[1] and "norm.weight" in parts[1]
 
 
-def test_stages_run_in_turn_across_ranks_give_the_whole_models_logits():
-    # 4 stages on 2 ranks, as Interleaved1F1B runs them: rank 0 stages 0 and 2, rank 1 stages 1 and 3.
+@pytest.mark.parametrize("schedule, order, layer3", [("Interleaved1F1B", [[0, 2], [1, 3]], (0, 2)),
+                                                     ("ZBVZeroBubble", [[0, 3], [1, 2]], (1, 2))])
+def test_stages_run_in_turn_across_ranks_give_the_whole_models_logits(schedule, order, layer3):
+    # 4 stages on 2 ranks: in loop order (Interleaved1F1B) rank 0 runs stages 0 and 2; in V order (ZBVZeroBubble,
+    # DualPipeV) stages 0 and 3, and rank 1 the two middle ones. layer3: (rank, stage) of block 3.
     args = ModelArgs(dim=32, n_layers=5, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=48, max_seq_len=16)
     full = Transformer(args)
     ranks = []
     for r in range(2):
         m = Transformer(args)
-        prune(m, rank_stages(r, 2, 2), 4)
+        prune(m, rank_stages(r, 2, 2, schedule), 4)
         m.load_state_dict({k: v for k, v in full.state_dict().items() if k in m.state_dict()})
         ranks.append(dict(stage_modules(m)))
-    assert [sorted(ranks[0]), sorted(ranks[1])] == [[0, 2], [1, 3]]
-    assert "tok_embeddings.weight" in ranks[0][0].state_dict() and "output.weight" in ranks[1][3].state_dict()
-    assert set(ranks[0][2].state_dict()) == {k for k in full.state_dict() if k.startswith("layers.3.")}
+    assert [sorted(ranks[0]), sorted(ranks[1])] == order
+    rank_of = {s: r for r in range(2) for s in order[r]}
+    assert "tok_embeddings.weight" in ranks[0][0].state_dict() and "output.weight" in ranks[rank_of[3]][3].state_dict()
+    assert set(ranks[layer3[0]][layer3[1]].state_dict()) == {k for k in full.state_dict() if k.startswith("layers.3.")}
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     h = tokens
     for s in range(4):
-        h = ranks[s % 2][s](h)
+        h = ranks[rank_of[s]][s](h)
     torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
 
 
@@ -78,12 +82,15 @@ PP_LAYOUTS = {
     "pp2-tp2-interleaved": (4, 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-cp2": (4, 1, ["--parallel.pp", "2", "--parallel.cp", "2"]),
     "pp2-interleaved-docmask": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
+    "pp2-interleaved-zero-bubble": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "InterleavedZeroBubble"]),
+    "pp2-zbv": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble"]),
+    "pp2-fsdp2-dualpipev": (4, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV"]),
     "pp2-fsdp2-interleaved-muon": (4, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-ep2-interleaved-moe": (4, 1, ["--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_schedule",
                                        "Interleaved1F1B"]),
 }
-"""id: (ranks, tp, flags): 1F1B and GPipe over 2 stages; 2 stages per rank (Interleaved1F1B, LoopedBFS: 4 stages of
-one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
+"""id: (ranks, tp, flags): 1F1B and GPipe over 2 stages; 2 stages per rank (Interleaved1F1B, LoopedBFS and the
+zero-bubble schedules: 4 stages of one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
 named "-docmask", "-muon" or "-moe" and its 1-rank reference both run with model.document_mask, optim.name muon
 or a mixture of experts (4 experts top-2, aux loss and bias update, layer 0 dense: a stage without MoE) (SHARED)."""
 SHARED = {"docmask": ["--model.document_mask", "true"], "muon": ["--optim.name", "muon"],
@@ -150,8 +157,12 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Zippy"], "parallel.pp_schedule 'Zippy' is not a schedule "
                                                                     "here; use one of 1F1B, GPipe, Interleaved1F1B, "
                                                                     "LoopedBFS, InterleavedZeroBubble"),
-    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble"], "loses part of the weight gradients "
-                                                                            "(docs/pipeline.md); use Interleaved1F1B"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_stages_per_rank", "3",
+         "--model.n_layers", "6"], "parallel.pp_schedule ZBVZeroBubble runs exactly 2 stages per rank, and "
+                                   "parallel.pp_stages_per_rank is 3; use parallel.pp_stages_per_rank 2 (or 0)"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--parallel.pp_microbatches", "2"],
+     "parallel.pp_schedule DualPipeV needs at least as many micro-batches as stages (2 x parallel.pp = 4), and "
+     "parallel.pp_microbatches is 2; use parallel.pp_microbatches >= 4"),
     (2, ["--parallel.pp", "2", "--parallel.pp_stages_per_rank", "2"], "parallel.pp_schedule 1F1B runs one stage per "
                                                                        "rank, and parallel.pp_stages_per_rank is 2"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "1"],
