@@ -1,16 +1,17 @@
 """Pipeline parallelism on CPU: each schedule's measured bubble against its theory, tokens/s against FSDP at the same
 world size, and memory per rank at pp 1, 2, 4.
 
-    python benchmarks/pp_bench.py --out benchmarks/results/FILE.md [--steps 5] [--workdir DIR]
+    python benchmarks/pp_bench.py --out benchmarks/results/FILE.md [--steps 5] [--workdir DIR] [--rows 'A,B']
 
 The debug model with 8 layers (configs/debug.toml, n_kv_heads 4), seq 128, global batch 16,
 random tokens, fp32, AdamW. Each row is this script as a torchrun worker (--worker; every
 process with OMP_NUM_THREADS=1, one row at a time): world 2 and 4, FSDP alone (dp = world) and
-pp = world with each schedule run here (8 micro-batches; Interleaved1F1B and LoopedBFS with 2
-stages per rank). Per rank and step, over --steps steps after 2 (the first infers the shapes):
+pp = world with each schedule run here (8 micro-batches; every schedule but 1F1B and GPipe with
+2 stages per rank). Per rank and step, over --steps steps after 2 (the first infers the shapes):
 
 - bubble: 1 - (time inside the stages' forward and backward calls) / (time inside the
-  schedule's step), the idle share of the pipelined part of the step; the median over steps,
+  schedule's step; the weight-gradient passes of the zero-bubble schedules count as compute), the
+  idle share of the pipelined part of the step; the median over steps,
   averaged over ranks. Theory: (p - 1) / (v m + p - 1) with v stages per rank (Narayanan et
   al. 2021 for 1F1B, GPipe and interleaved 1F1B; Lamy-Poirier 2023 for breadth-first);
 - tokens/s: the global batch's tokens over the median whole-step time (the slowest rank);
@@ -41,11 +42,10 @@ BASE = ["--config", os.path.join(ROOT, "configs", "debug.toml"), "--model.n_laye
         "--data.seq_len", "128", "--train.global_batch_size", "16", "--train.dtype", "float32",
         "--train.steps", "1000", "--optim.warmup_steps", "10"]
 MICRO = 8
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 ROWS = [(1, "pp 1 (1 process)", []), (2, "FSDP 2", [])] + [
-    (2, f"pp 2 {s}", ["--parallel.pp", "2", "--parallel.pp_schedule", s]) for s in
-    ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS")] + [(4, "FSDP 4", [])] + [
-    (4, f"pp 4 {s}", ["--parallel.pp", "4", "--parallel.pp_schedule", s]) for s in
-    ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS")]
+    (2, f"pp 2 {s}", ["--parallel.pp", "2", "--parallel.pp_schedule", s]) for s in SCHEDULES] + [
+    (4, "FSDP 4", [])] + [(4, f"pp 4 {s}", ["--parallel.pp", "4", "--parallel.pp_schedule", s]) for s in SCHEDULES]
 """(world, label, flags) of each row."""
 
 
@@ -122,9 +122,12 @@ def worker(argv: list[str]) -> None:
 
 
 def theory(label: str) -> str:
-    """(p - 1) / (v m + p - 1) for a pipelined row, '-' otherwise."""
+    """(p - 1) / (v m + p - 1) for a pipelined row, '-' otherwise; about 0 for the zero-bubble schedules (Qi et al.
+    2024, when a forward, an input-gradient and a weight-gradient pass take the same time)."""
     if not label.startswith("pp ") or label.startswith("pp 1"):
         return "-"
+    if label.endswith(("ZeroBubble", "DualPipeV")):
+        return "~0"
     p = int(label.split()[1])
     v = 2 if label.endswith(("Interleaved1F1B", "LoopedBFS")) else 1
     return f"{(p - 1) / (v * MICRO + p - 1):.0%}"
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="the Markdown table's file (required but in --worker)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row")
     ap.add_argument("--workdir", default="/tmp/pp_bench", help="scratch folder (each row's json and log)")
+    ap.add_argument("--rows", default="", help="comma-separated row labels to run (e.g. 'FSDP 2,pp 2 1F1B'); all "
+                                                "by default")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args, rest = ap.parse_known_args(argv)
     if args.worker:
@@ -148,7 +153,13 @@ def main(argv: list[str] | None = None) -> int:
              "| saved activations peak / rank | peak RSS / rank |", "|---|---|---|---|---|---|---|---|---|"]
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
     cmds = []
+    wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = sorted(set(wanted) - {label for _, label, _ in ROWS})
+    if unknown:
+        ap.error(f"--rows: unknown label(s) {', '.join(unknown)}; the rows are: {', '.join(r[1] for r in ROWS)}")
     for i, (world, label, flags) in enumerate(ROWS):
+        if wanted and label not in wanted:
+            continue
         js = os.path.join(args.workdir, f"row{i}.json")
         micro = ["--parallel.pp_microbatches", str(MICRO)] if flags else []
         cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__, "--worker",
@@ -166,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{mib(r['params'])} | {mib(r['optim'])} | {mib(r['saved'])} | {mib(r['rss'])} |")
         print(lines[-1], flush=True)
     text = "\n".join(["# Pipeline schedules on CPU: bubble, speed against FSDP, memory per rank", "",
-                      "```bash", f"python benchmarks/pp_bench.py --out {args.out} --steps {args.steps}", "```", "",
-                      f"Rows, each a torchrun launch (e.g. `{cmds[3]}`); the script's docstring defines every "
+                      "```bash", f"python benchmarks/pp_bench.py --out {args.out} --steps {args.steps}"
+                      + (f" --rows {shlex.quote(args.rows)}" if wanted else ""), "```", "",
+                      f"Rows, each a torchrun launch (e.g. `{cmds[-1]}`); the script's docstring defines every "
                       f"column. Micro-batches m = {MICRO}.", "", *lines, ""])
     with open(args.out, "w") as f:
         f.write(text)
