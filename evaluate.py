@@ -34,7 +34,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import tempfile
 
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from checkpoint import read_model_weights
 from config import compute_dtype, load_run, parse_config
 from core import cli
-from core.cli import ArgumentParser, number
+from core.cli import ArgumentParser, exit_command, number
 from core.errors import SetupError, UserError, report
 from data import PackedCorpus
 from evaluation.downstream import READY, TaskConfig, check_tasks, evaluate_tasks, load_tasks
@@ -227,4 +226,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

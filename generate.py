@@ -21,7 +21,7 @@ from torch import Tensor
 import hf
 from checkpoint import read_model_weights
 from config import load_run
-from core.cli import ArgumentParser, number
+from core.cli import ArgumentParser, exit_command, number
 from core.errors import UserError, report
 from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer
 from model import Transformer
@@ -199,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

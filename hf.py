@@ -32,7 +32,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import tempfile
 from typing import Callable, Iterator
 
@@ -41,7 +40,7 @@ from torch import Tensor
 
 from checkpoint import read_model_weights
 from config import load_run
-from core.cli import ArgumentParser
+from core.cli import ArgumentParser, exit_command
 from core.errors import UserError, one_line, report, require
 from data_pipeline.tokenizer import EOT, load_tokenizer
 from hf_format import (
@@ -412,4 +411,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

@@ -26,6 +26,7 @@ import sys
 from checkpoint import complete_checkpoints
 from config import Config, parse_config
 from core import cli
+from core.cli import exit_command
 from core.errors import ConfigError, UserError, report
 from model import ModelArgs, num_params
 from observability.progress import duration
@@ -449,4 +450,4 @@ def plan_queries(cfg: Config, a: argparse.Namespace, smallest: Rung) -> list[lad
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

@@ -21,7 +21,7 @@ import os
 import re
 import sys
 
-from core.cli import ArgumentParser, number
+from core.cli import ArgumentParser, exit_command, number
 from core.errors import UserError, require
 from storage.rundir import RunDir
 
@@ -295,4 +295,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

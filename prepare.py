@@ -31,6 +31,7 @@ import numpy as np
 import torch.distributed as dist
 
 from config import check_run_dir, parse_config
+from core.cli import exit_command
 from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
 from data_pipeline.datacache import publish
@@ -453,4 +454,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

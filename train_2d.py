@@ -22,12 +22,11 @@ before its reduce-scatter over "dp".
 """
 from __future__ import annotations
 
-import sys
-
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
 from config import Config
+from core.cli import exit_command
 from core.errors import SetupError
 from training import command
 
@@ -89,4 +88,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

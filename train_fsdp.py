@@ -14,8 +14,7 @@ resumes from the newest complete checkpoint in DIR/checkpoints, at any world siz
 """
 from __future__ import annotations
 
-import sys
-
+from core.cli import exit_command
 from training import command
 
 
@@ -25,4 +24,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())

@@ -15,13 +15,14 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import gc
 import inspect
 import os
 import sys
 import textwrap
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import tomli_w
 import tomllib
@@ -392,3 +393,16 @@ def write_resolved(cfg, path: str) -> None:
     with open(tmp, "w") as f:
         f.write(to_toml(cfg))
     os.replace(tmp, path)
+
+
+def exit_command(status: int) -> NoReturn:
+    """sys.exit(status) for a command's ``__main__``, skipping the interpreter's last garbage collection.
+
+    That collection walks every object torch's import made (about 0.7 s of each process's exit
+    on CPU, paid by every rank of every launch) and frees nothing the exit would not free.
+    gc.freeze() moves those objects out of its reach; atexit handlers, open files' flushes on
+    close and module teardown still run. Only at the very end of a process: it leaves the
+    objects alive when the call was made uncollectable.
+    """
+    gc.freeze()
+    sys.exit(status)

@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, schedules
 from torch.utils import _pytree as pytree
 
 from core.errors import SetupError
@@ -275,6 +274,9 @@ def build_pipeline(model: Transformer, mesh: DeviceMesh, device: torch.device, s
     Under TP the stages pass on this rank's part of the sequence (sequence parallelism), and the
     loss and its backward run under loss_parallel (nn.loss.loss_context).
     """
+    # Imported here, not at the top: it loads torch._dynamo (0.6 s), which hf.py and generate.py never need.
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     pp_mesh = mesh["pp"]
     group, pp = pp_mesh.get_group(), pp_mesh.size()
     stages = stage_modules(model)
