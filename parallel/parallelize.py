@@ -43,7 +43,7 @@ class ParallelConfig:
     dp_replicate: int = 1
     """HSDP: data-parallel replicas; parameters are sharded over the world / (dp_replicate x tp) ranks of a replica and replicated across replicas (1: plain FSDP). Set it to the number of nodes to keep FSDP's all-gathers inside a node."""
     reshard_after_forward: bool = True
-    """Free each block's gathered parameters after its forward (ZeRO-3); false keeps them until backward (ZeRO-2 like)."""
+    """Free each block's gathered parameters after its forward (ZeRO-3); false keeps them until backward (ZeRO-2 like). The zero-bubble PP schedules keep them whatever this says (docs/pipeline.md)."""
     prefetch: int = 1
     """How many blocks ahead FSDP gathers parameters in forward and backward."""
     cpu_offload: bool = False
