@@ -254,7 +254,9 @@ class _WithAux(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output: Tensor, aux: Tensor) -> Tensor:
         ctx.save_for_backward(aux)
-        return output
+        # A copy, not output itself (which autograd would make a view of it): the zero-bubble schedules detach the
+        # stage's output in place after its input-gradient pass, which a view refuses.
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -83,7 +83,7 @@ PP_LAYOUTS = {
     "pp2-cp2": (4, 1, ["--parallel.pp", "2", "--parallel.cp", "2"]),
     "pp2-interleaved-docmask": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-interleaved-zero-bubble": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "InterleavedZeroBubble"]),
-    "pp2-zbv": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble"]),
+    "pp2-zbv-moe": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble"]),
     "pp2-fsdp2-dualpipev": (4, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV"]),
     "pp2-fsdp2-interleaved-muon": (4, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-ep2-interleaved-moe": (4, 1, ["--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_schedule",
