@@ -67,3 +67,21 @@ def check_pipeline(cfg, world_size: int) -> None:
     dp = p.data_parallel(world_size)
     check_pp(p.pp, p.pp_schedule, p.pp_microbatches, cfg.model.n_layers, t.global_batch_size // max(dp, 1),
              dp, t.micro_batch_size or 1, p.pp_stages_per_rank)
+
+
+def pipeline_notice(parallel) -> str:
+    """One line for the start when parallel.pp is 1 but a pipeline setting (pp_schedule, pp_microbatches,
+    pp_stages_per_rank) is given, which then has no effect; else ''. parallel: a ParallelConfig.
+
+    Not an error: a config written for a pipelined cluster run, tried at pp 1, is legitimate.
+    """
+    if parallel.pp > 1:
+        return ""
+    given = [f"parallel.{name} {value}" for name, value, default in (
+        ("pp_schedule", parallel.pp_schedule, "1F1B"), ("pp_microbatches", parallel.pp_microbatches, 0),
+        ("pp_stages_per_rank", parallel.pp_stages_per_rank, 0)) if value != default]
+    if not given:
+        return ""
+    one = len(given) == 1
+    return (f"[train] notice: {', '.join(given)} {'has' if one else 'have'} no effect at parallel.pp 1 (no "
+            f"pipeline): {'it applies' if one else 'they apply'} from parallel.pp 2 (docs/pipeline.md)")

@@ -22,6 +22,8 @@ from launch import (
     wait_for_step,
 )
 from model import ModelArgs, Transformer
+from parallel.compose import pipeline_notice
+from parallel.parallelize import ParallelConfig
 from parallel.pipeline_stages import PassThrough, prune, rank_stages, stage_layers, stage_modules
 
 MHA = ["--model.n_kv_heads", "4"]
@@ -215,3 +217,12 @@ def test_pipeline_with_batch_stages_is_refused_before_it_aborts_at_the_first_lar
                                          "--parallel.pp", "2", *MHA], capsys)
     assert "parallel.pp 2 does not run with [[train.batch_stages]] yet (docs/pipeline.md)" in line, line
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_pipeline_settings_at_pp_1_get_a_notice_that_they_do_nothing():
+    assert pipeline_notice(ParallelConfig()) == ""
+    assert pipeline_notice(ParallelConfig(pp=2, pp_schedule="GPipe", pp_microbatches=4)) == ""
+    line = pipeline_notice(ParallelConfig(pp_schedule="GPipe", pp_microbatches=8))
+    assert line == ("[train] notice: parallel.pp_schedule GPipe, parallel.pp_microbatches 8 have no effect at "
+                    "parallel.pp 1 (no pipeline): they apply from parallel.pp 2 (docs/pipeline.md)")
+    assert "parallel.pp_stages_per_rank 2 has no effect" in pipeline_notice(ParallelConfig(pp_stages_per_rank=2))

@@ -19,6 +19,7 @@ from observability.metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from observability.progress import Progress
 from optimization.optimizers import schedule_notice
 from parallel import distributed
+from parallel.compose import pipeline_notice
 from storage.rundir import RunDir
 from training.components import Checkpointing, Metrics, Profiling, Scoring, Validation, act
 from training.rollback import Rollback
@@ -53,7 +54,7 @@ def train(s: Session) -> int:
     rollback = Rollback(s, log, progress)
     between_steps = (validation, Scoring(s, log, progress), checkpointing)
     progress.write(start_line(s, fpt))  # rank 0 only, and above the progress bar
-    for notice in (validation.notice(), schedule_notice(cfg.optim, cfg.train.steps)):
+    for notice in (validation.notice(), schedule_notice(cfg.optim, cfg.train.steps), pipeline_notice(cfg.parallel)):
         if notice:
             progress.write(notice)
 
