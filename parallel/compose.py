@@ -37,12 +37,13 @@ def check_moe(cfg, world_size: int = 0) -> None:
 
 
 PIPELINE_REFUSED = {
-    "train.loss_chunk_size": lambda c: c.train.loss_chunk_size > 0,
-    "train.float8": lambda c: c.train.float8 != "off",
+    "train.loss_chunk_size": (lambda c: c.train.loss_chunk_size > 0, "train.loss_chunk_size 0"),
+    "train.float8": (lambda c: c.train.float8 != "off", "train.float8 off"),
     # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.
-    "[[train.batch_stages]]": lambda c: bool(c.train.batch_stages),
+    "[[train.batch_stages]]": (lambda c: bool(c.train.batch_stages), "no [[train.batch_stages]] tables"),
 }
-"""What pipeline parallelism does not run with yet (docs/pipeline.md's table), by the setting's name."""
+"""What pipeline parallelism does not run with yet (docs/pipeline.md's table), by the setting's name: (whether cfg
+sets it, the setting that turns it off)."""
 
 
 def check_pipeline_composes(cfg) -> None:
@@ -52,18 +53,17 @@ def check_pipeline_composes(cfg) -> None:
     not one this refusal then rejects.
     """
     p = cfg.parallel
-    refused = [name for name, on in PIPELINE_REFUSED.items() if on(cfg)] if p.pp > 1 else []
+    refused = [(name, off) for name, (on, off) in PIPELINE_REFUSED.items() if on(cfg)] if p.pp > 1 else []
     if refused:
-        raise SetupError(f"parallel.pp {p.pp} does not run with {', '.join(refused)} yet (docs/pipeline.md); "
-                         f"use parallel.pp 1 with them, or drop them")
+        raise SetupError(f"parallel.pp {p.pp} does not run with {', '.join(n for n, _ in refused)} yet "
+                         f"(docs/pipeline.md); use {' and '.join(off for _, off in refused)}, or parallel.pp 1")
 
 
 def check_pipeline(cfg, world_size: int) -> None:
-    """Raise SetupError for parallel.pp > 1 with stages, schedule or micro-batches that cannot work
-    (pipeline.check_pp); run after the global batch is known to split over the data-parallel ranks."""
+    """Raise SetupError for an unknown parallel.pp_schedule (at any pp), and at parallel.pp > 1 for stages,
+    schedule or micro-batches that cannot work (pipeline.check_pp); run after the global batch is known to split
+    over the data-parallel ranks."""
     p, t = cfg.parallel, cfg.train
-    if p.pp == 1:
-        return
     dp = p.data_parallel(world_size)
     check_pp(p.pp, p.pp_schedule, p.pp_microbatches, cfg.model.n_layers, t.global_batch_size // max(dp, 1),
              dp, t.micro_batch_size or 1, p.pp_stages_per_rank)

@@ -61,7 +61,7 @@ class ParallelConfig:
     pp_stages_per_rank: int = 0
     """Stages each pipeline rank runs (the model is split into pp x this many): 0 means 1 for 1F1B and GPipe, 2 for the interleaved and V-shaped schedules (which need 2 or more; ZBVZeroBubble and DualPipeV exactly 2)."""
     pp_microbatches: int = 0
-    """Micro-batches each data-parallel rank's share of the step is split into for the pipeline (>= pp, dividing that share); 0: the largest divisor of the share up to 4 x pp. They replace train.micro_batch_size's gradient accumulation."""
+    """Micro-batches each data-parallel rank's share of the step is split into for the pipeline (>= pp, dividing that share); 0: the largest count the schedule takes that divides the share, up to 4 x pp. They replace train.micro_batch_size's gradient accumulation."""
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel ranks of world_size processes: world / (pp x cp x tp) (HSDP's replicas included)."""

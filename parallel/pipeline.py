@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import math
 from typing import Callable
@@ -51,20 +52,23 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
              micro_batch_size: int = 1, per_rank: int = 0) -> None:
     """The PP checks that need no collective; raises SetupError naming the numbers and the fix.
 
-    The schedule must be one of SCHEDULES, with per_rank (parallel.pp_stages_per_rank, 0: its
-    default) stages per rank: 1 for 1F1B and GPipe, exactly 2 for the V_SHAPED ones, >= 2 for
-    the others; pp x per_rank stages need a block each. The micro-batches must be at least pp
-    (fewer leave a stage idle for the whole step; 1F1B needs them), at least 2 pp for DualPipeV,
-    a multiple of their rounds (m // pp) for the interleaved schedules, and divide
-    local_batch, the sequences each data-parallel rank runs per step; a local_batch below pp is
-    refused naming train.global_batch_size (dp data-parallel ranks, the loader's
-    train.micro_batch_size sequences at a time) and the smallest batch that works.
+    The schedule must be one of SCHEDULES (checked at pp 1 too), with per_rank
+    (parallel.pp_stages_per_rank, 0: its default) stages per rank: 1 for 1F1B and GPipe, exactly
+    2 for the V_SHAPED ones, >= 2 for the others; pp x per_rank stages need a block each.
+    microbatches (0: default_microbatches) must be one of microbatch_choices: at least pp (at
+    least 2 pp for DualPipeV), for the interleaved schedules divisible by their rounds, and
+    dividing local_batch, the sequences each data-parallel rank runs per step. Every remedy
+    offers only counts that pass all of these; when none does, the refusal names
+    train.global_batch_size (dp data-parallel ranks, the loader's train.micro_batch_size
+    sequences at a time) and the smallest batch that works.
     """
+    if schedule not in SCHEDULES:
+        near = [s for s in SCHEDULES if s.lower() == schedule.lower()] or difflib.get_close_matches(schedule, SCHEDULES, 1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise SetupError(f"parallel.pp_schedule {schedule!r} is not a schedule here; {hint}use one of "
+                         f"{', '.join(SCHEDULES)} (torch.distributed.pipelining's names)")
     if pp == 1:
         return
-    if schedule not in SCHEDULES:
-        raise SetupError(f"parallel.pp_schedule {schedule!r} is not a schedule here; use one of "
-                         f"{', '.join(SCHEDULES)} (torch.distributed.pipelining's names)")
     v = stages_per_rank(schedule, per_rank)
     if schedule in V_SHAPED and v != 2:
         raise SetupError(f"parallel.pp_schedule {schedule} runs exactly 2 stages per rank, and "
@@ -77,30 +81,56 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
                          f"parallel.pp_stages_per_rank is {v}; use parallel.pp_stages_per_rank 2 (or 0)")
     if pp * v > n_layers:
         what = f"parallel.pp ({pp})" if v == 1 else f"parallel.pp x parallel.pp_stages_per_rank ({pp} x {v})"
+        fixes = [f"parallel.pp <= {n_layers}"] if v == 1 else [f"model.n_layers {pp * v} or more"]
+        if v > 1 and n_layers // v >= 2:
+            fixes.append(f"parallel.pp {n_layers // v}")
+        if v > 1 and schedule not in V_SHAPED and n_layers // pp >= 2:
+            fixes.append(f"parallel.pp_stages_per_rank {n_layers // pp}")
         raise SetupError(f"{what} is more than model.n_layers ({n_layers}): every stage needs a block; use "
-                         f"{'parallel.pp <= ' + str(n_layers) if v == 1 else 'fewer stages or more layers'}")
-    given, microbatches = microbatches, microbatches or default_microbatches(pp, local_batch)
+                         f"{', or '.join(fixes)}")
+    fits = microbatch_choices(pp, schedule, local_batch)
+    if not fits:
+        least = min_microbatches(pp, schedule)
+        need = f"parallel.pp ({pp})" if least == pp else f"the {least} micro-batches {schedule} needs (2 x parallel.pp)"
+        fit = math.lcm(microbatches if microbatch_ok(microbatches, pp, schedule) else least, micro_batch_size) * dp
+        raise SetupError(f"train.global_batch_size gives each data-parallel rank {local_batch} sequence(s) per step, "
+                         f"fewer than {need}: every stage needs a micro-batch; use train.global_batch_size {fit} or "
+                         f"a multiple of it")
+    if not microbatches or microbatches in fits:
+        return
+    use = f"use parallel.pp_microbatches in {fits}"
     if microbatches < pp:
         raise SetupError(f"parallel.pp_microbatches ({microbatches}) is fewer than parallel.pp ({pp}): a stage would "
-                         f"wait the whole step; use parallel.pp_microbatches >= {pp} (4 x pp keeps the bubble small)")
-    if schedule == "DualPipeV" and microbatches < 2 * pp:
+                         f"wait the whole step; {use} (4 x pp keeps the bubble small)")
+    if microbatches < min_microbatches(pp, schedule):
         raise SetupError(f"parallel.pp_schedule DualPipeV needs at least as many micro-batches as stages (2 x "
-                         f"parallel.pp = {2 * pp}), and parallel.pp_microbatches is {microbatches}; use "
-                         f"parallel.pp_microbatches >= {2 * pp}")
-    rounds = max(1, microbatches // pp)
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % rounds:
-        raise SetupError(f"parallel.pp_schedule {schedule} runs the micro-batches in rounds of parallel.pp ({pp}): "
-                         f"parallel.pp_microbatches ({microbatches}) must be a multiple of {rounds}; use "
-                         f"{rounds * pp} or a multiple of {pp}")
-    if local_batch < pp:
-        fit = math.lcm(given or pp, micro_batch_size) * dp
-        raise SetupError(f"train.global_batch_size gives each data-parallel rank {local_batch} sequence(s) per step, "
-                         f"fewer than parallel.pp ({pp}): every stage needs a micro-batch; use "
-                         f"train.global_batch_size {fit} or a multiple of it")
-    if local_batch % microbatches:
-        fits = [m for m in range(pp, local_batch + 1) if local_batch % m == 0]
-        raise SetupError(f"parallel.pp_microbatches ({microbatches}) does not divide the {local_batch} sequences each "
-                         f"data-parallel rank runs per step; use one of {fits} or change train.global_batch_size")
+                         f"parallel.pp = {2 * pp}), and parallel.pp_microbatches is {microbatches}; {use}")
+    if not microbatch_ok(microbatches, pp, schedule):
+        rounds = microbatches // pp
+        raise SetupError(f"parallel.pp_schedule {schedule} runs the micro-batches in rounds (parallel.pp_microbatches "
+                         f"// parallel.pp = {rounds}), which must divide parallel.pp_microbatches ({microbatches}); "
+                         f"{use}")
+    raise SetupError(f"parallel.pp_microbatches ({microbatches}) does not divide the {local_batch} sequences each "
+                     f"data-parallel rank runs per step; {use} or change train.global_batch_size")
+
+
+def min_microbatches(pp: int, schedule: str) -> int:
+    """The fewest micro-batches schedule runs at pp stages (or ranks): pp, 2 pp for DualPipeV (one per stage)."""
+    return 2 * pp if schedule == "DualPipeV" else pp
+
+
+def microbatch_ok(m: int, pp: int, schedule: str) -> bool:
+    """Whether schedule takes m micro-batches at pp: at least min_microbatches, and for the interleaved schedules
+    divisible by their rounds, m // pp (torch's check)."""
+    if m < min_microbatches(pp, schedule):
+        return False
+    return schedule not in ("Interleaved1F1B", "InterleavedZeroBubble") or m % (m // pp) == 0
+
+
+def microbatch_choices(pp: int, schedule: str, local_batch: int) -> list[int]:
+    """The micro-batch counts, ascending, that schedule takes at pp and that divide local_batch (the sequences each
+    data-parallel rank runs per step)."""
+    return [m for m in range(1, local_batch + 1) if local_batch % m == 0 and microbatch_ok(m, pp, schedule)]
 
 
 @dataclasses.dataclass
@@ -264,9 +294,11 @@ class _WithAux(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
-def default_microbatches(pp: int, local_batch: int) -> int:
-    """parallel.pp_microbatches 0: the largest divisor of local_batch up to 4 pp (pp itself when none is >= pp)."""
-    return max([m for m in range(1, min(4 * pp, local_batch) + 1) if local_batch % m == 0 and m >= pp] or [pp])
+def default_microbatches(pp: int, local_batch: int, schedule: str = "1F1B") -> int:
+    """parallel.pp_microbatches 0: the largest of microbatch_choices up to 4 pp (the smallest when none is), or
+    min_microbatches when there is none (check_pp then refuses the batch)."""
+    fits = microbatch_choices(pp, schedule, local_batch)
+    return max([m for m in fits if m <= 4 * pp] or fits[:1] or [min_microbatches(pp, schedule)])
 
 
 def build_pipeline(model: Transformer, mesh: DeviceMesh, device: torch.device, schedule: str,

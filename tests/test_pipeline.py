@@ -24,6 +24,7 @@ from launch import (
 from model import ModelArgs, Transformer
 from parallel.compose import pipeline_notice
 from parallel.parallelize import ParallelConfig
+from parallel.pipeline import default_microbatches
 from parallel.pipeline_stages import PassThrough, prune, rank_stages, stage_layers, stage_modules
 
 MHA = ["--model.n_kv_heads", "4"]
@@ -155,7 +156,8 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
                                                                     "parallel.pp (2)"),
     (2, ["--parallel.pp", "2", "--parallel.pp_microbatches", "3"], "parallel.pp_microbatches (3) does not divide the "
                                                                     "16 sequences each data-parallel rank runs per "
-                                                                    "step; use one of [2, 4, 8, 16]"),
+                                                                    "step; use parallel.pp_microbatches in [2, 4, 8, "
+                                                                    "16] or change train.global_batch_size"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Zippy"], "parallel.pp_schedule 'Zippy' is not a schedule "
                                                                     "here; use one of 1F1B, GPipe, Interleaved1F1B, "
                                                                     "LoopedBFS, InterleavedZeroBubble"),
@@ -164,7 +166,14 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
                                    "parallel.pp_stages_per_rank is 3; use parallel.pp_stages_per_rank 2 (or 0)"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--parallel.pp_microbatches", "2"],
      "parallel.pp_schedule DualPipeV needs at least as many micro-batches as stages (2 x parallel.pp = 4), and "
-     "parallel.pp_microbatches is 2; use parallel.pp_microbatches >= 4"),
+     "parallel.pp_microbatches is 2; use parallel.pp_microbatches in [4, 8, 16]"),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "zbvzerobubble"], "parallel.pp_schedule 'zbvzerobubble' is "
+                                                                           "not a schedule here; did you mean "
+                                                                           "'ZBVZeroBubble'?"),
+    (1, ["--parallel.pp_schedule", "Zippy"], "parallel.pp_schedule 'Zippy' is not a schedule here"),  # at pp 1 too
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--train.global_batch_size", "2"],
+     "train.global_batch_size gives each data-parallel rank 2 sequence(s) per step, fewer than the 4 micro-batches "
+     "DualPipeV needs (2 x parallel.pp): every stage needs a micro-batch; use train.global_batch_size 4"),
     (2, ["--parallel.pp", "2", "--parallel.pp_stages_per_rank", "2"], "parallel.pp_schedule 1F1B runs one stage per "
                                                                        "rank, and parallel.pp_stages_per_rank is 2"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_stages_per_rank", "1"],
@@ -172,7 +181,8 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--model.n_layers", "3"],
      "parallel.pp x parallel.pp_stages_per_rank (2 x 2) is more than model.n_layers (3)"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "5"],
-     "parallel.pp_microbatches (5) must be a multiple of 2; use 4 or a multiple of 2"),
+     "parallel.pp_schedule Interleaved1F1B runs the micro-batches in rounds (parallel.pp_microbatches // "
+     "parallel.pp = 2), which must divide parallel.pp_microbatches (5); use parallel.pp_microbatches in [2, 4, 8, 16]"),
     (2, ["--parallel.pp", "2", "--train.loss_chunk_size", "64"], "parallel.pp 2 does not run with "
                                                                   "train.loss_chunk_size yet"),
     (2, ["--parallel.pp", "0"], "parallel.pp must be >= 1, got 0"),
@@ -193,6 +203,7 @@ def test_bad_pipeline_settings_are_refused_in_one_line(tmp_path, monkeypatch, ca
 
 @pytest.mark.parametrize("world, argv", [
     (2, ["--parallel.pp", "2", "--train.global_batch_size", "1"]),
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--train.global_batch_size", "2"]),
     (4, ["--parallel.pp", "2", "--train.global_batch_size", "2", "--parallel.pp_microbatches", "3"]),
     (4, ["--parallel.pp", "4", "--model.n_layers", "4", "--train.global_batch_size", "3",
          "--train.micro_batch_size", "3"]),
@@ -226,3 +237,30 @@ def test_pipeline_settings_at_pp_1_get_a_notice_that_they_do_nothing():
     assert line == ("[train] notice: parallel.pp_schedule GPipe, parallel.pp_microbatches 8 have no effect at "
                     "parallel.pp 1 (no pipeline): they apply from parallel.pp 2 (docs/pipeline.md)")
     assert "parallel.pp_stages_per_rank 2 has no effect" in pipeline_notice(ParallelConfig(pp_stages_per_rank=2))
+
+
+@pytest.mark.parametrize("argv", [
+    # 5 micro-batches make rounds of 2, which do not divide 5: the remedy offers only counts every check takes.
+    ["--parallel.pp_schedule", "Interleaved1F1B", "--train.global_batch_size", "10", "--parallel.pp_microbatches", "5"],
+    ["--parallel.pp_schedule", "DualPipeV", "--parallel.pp_microbatches", "2"],
+    ["--parallel.pp_microbatches", "3"],
+])
+def test_the_micro_batch_remedy_is_accepted_as_printed(tmp_path, monkeypatch, capsys, argv):
+    base = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MHA, "--parallel.pp", "2", *argv]
+    with before_any_collective(monkeypatch, 2):
+        line = refused(train_fsdp.main, base, capsys)
+        fix = re.search(r"use parallel\.pp_microbatches in \[(\d+)", line)
+        assert fix, line
+        with pytest.raises(AssertionError, match="a collective started"):
+            train_fsdp.main([*base, "--parallel.pp_microbatches", fix.group(1)])
+
+
+@pytest.mark.parametrize("schedule, batch", [("InterleavedZeroBubble", 10), ("DualPipeV", 9)])
+def test_the_default_micro_batch_count_is_one_the_schedule_takes(tmp_path, monkeypatch, schedule, batch):
+    # The largest divisor of the rank's batch up to 4 x pp, the old default, is refused by the schedule: 5 of 10 (rounds
+    # of 2 do not divide 5), 3 of 9 (DualPipeV needs 4 at pp 2). The default is now 2 of 10 and 9 of 9.
+    assert default_microbatches(2, batch, schedule) == {10: 2, 9: 9}[batch]
+    argv = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MHA, "--parallel.pp", "2",
+            "--parallel.pp_schedule", schedule, "--train.global_batch_size", str(batch)]
+    with before_any_collective(monkeypatch, 2), pytest.raises(AssertionError, match="a collective started"):
+        train_fsdp.main(argv)

@@ -346,6 +346,6 @@ def build_trainable(cfg: Config, rank: int, mesh: DeviceMesh, device: torch.devi
         local = t.global_batch_size // dp_mesh(mesh).size()
         dtype = torch.bfloat16 if compute_dtype(t, device) == "bfloat16" else torch.float32
         pipeline = build_pipeline(model, mesh, device, p.pp_schedule,
-                                  p.pp_microbatches or default_microbatches(p.pp, local), t.z_loss, dtype)
+                                  p.pp_microbatches or default_microbatches(p.pp, local, p.pp_schedule), t.z_loss, dtype)
     return Trainable(cfg, rank, device, mesh, dp_mesh(mesh).size(), model, optimizer, scheduler, TrainState(),
                      pipeline)
