@@ -69,14 +69,20 @@ def check_pipeline(cfg, world_size: int) -> None:
              dp, t.micro_batch_size or 1, p.pp_stages_per_rank)
 
 
-def pipeline_notice(parallel) -> str:
-    """One line for the start when parallel.pp is 1 but a pipeline setting (pp_schedule, pp_microbatches,
-    pp_stages_per_rank) is given, which then has no effect; else ''. parallel: a ParallelConfig.
+def pipeline_notice(parallel, micro_batch_size: int = 0) -> str:
+    """One line for the start when a setting does not do what it says: a pipeline setting (pp_schedule,
+    pp_microbatches, pp_stages_per_rank) at parallel.pp 1, or train.micro_batch_size (given as micro_batch_size)
+    under parallel.pp > 1, whose micro-batches replace its gradient accumulation; else ''. parallel: a
+    ParallelConfig.
 
     Not an error: a config written for a pipelined cluster run, tried at pp 1, is legitimate.
     """
     if parallel.pp > 1:
-        return ""
+        if not micro_batch_size:
+            return ""
+        return (f"[train] notice: at parallel.pp {parallel.pp} the pipeline's micro-batches (parallel.pp_microbatches; "
+                f"the start line says how many) replace train.micro_batch_size {micro_batch_size}'s gradient "
+                f"accumulation")
     given = [f"parallel.{name} {value}" for name, value, default in (
         ("pp_schedule", parallel.pp_schedule, "1F1B"), ("pp_microbatches", parallel.pp_microbatches, 0),
         ("pp_stages_per_rank", parallel.pp_stages_per_rank, 0)) if value != default]

@@ -237,6 +237,8 @@ def test_pipeline_settings_at_pp_1_get_a_notice_that_they_do_nothing():
     assert line == ("[train] notice: parallel.pp_schedule GPipe, parallel.pp_microbatches 8 have no effect at "
                     "parallel.pp 1 (no pipeline): they apply from parallel.pp 2 (docs/pipeline.md)")
     assert "parallel.pp_stages_per_rank 2 has no effect" in pipeline_notice(ParallelConfig(pp_stages_per_rank=2))
+    assert pipeline_notice(ParallelConfig(), micro_batch_size=4) == ""
+    assert "replace train.micro_batch_size 4's gradient accumulation" in pipeline_notice(ParallelConfig(pp=2), 4)
 
 
 @pytest.mark.parametrize("argv", [

@@ -54,7 +54,8 @@ def train(s: Session) -> int:
     rollback = Rollback(s, log, progress)
     between_steps = (validation, Scoring(s, log, progress), checkpointing)
     progress.write(start_line(s, fpt))  # rank 0 only, and above the progress bar
-    for notice in (validation.notice(), schedule_notice(cfg.optim, cfg.train.steps), pipeline_notice(cfg.parallel)):
+    for notice in (validation.notice(), schedule_notice(cfg.optim, cfg.train.steps),
+                   pipeline_notice(cfg.parallel, cfg.train.micro_batch_size)):
         if notice:
             progress.write(notice)
 

@@ -140,7 +140,18 @@ def start_line(s: Session, fpt: float) -> str:
             f"params {params_description(cfg.model)}{parametrization_note(cfg)} | {fpt / 1e6:.1f} MFLOP/token | "
             f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
             f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
+            + pipeline_description(s)
             + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))
+
+
+def pipeline_description(s: Session) -> str:
+    """' | pipeline ...' (for the start-up line): the schedule, its micro-batches (chosen when
+    parallel.pp_microbatches is 0) and the stages per rank; '' without pipeline parallelism."""
+    if s.pipeline is None:
+        return ""
+    p = s.pipeline
+    return (f" | pipeline {s.cfg.parallel.pp_schedule}, {p.n_microbatches} micro-batches per data-parallel rank, "
+            f"{len(p.stages)} of {p.n_stages} stages per rank")
 
 
 def guard_description(s: Session) -> str:
