@@ -21,7 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "debug.toml")
 GRAD_STEPS = 3
 """Steps of the conftest `worker` fixture's runs (tests/grad_worker.py)."""
-REFERENCE_ARGS = ["--train.steps", "10", "--train.seed", "0", "--checkpoint.interval", "2", "--train.val_interval", "0"]
+REFERENCE_BATCH = ["--train.global_batch_size", "8"]
+"""The reference run's batch: half the debug config's, which halves each step's time; kill and resume need no more."""
+REFERENCE_ARGS = ["--train.steps", "10", "--train.seed", "0", "--checkpoint.interval", "2", "--train.val_interval", "0",
+                  *REFERENCE_BATCH]
 """Overrides of the conftest `reference` run (2 ranks), which kill and resume tests repeat."""
 
 

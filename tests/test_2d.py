@@ -11,7 +11,7 @@ import torch
 
 import train_2d
 from config import parse_config
-from launch import DEBUG, GRAD_STEPS, ROOT, debug_run, losses, metrics, prepared_data_dir
+from launch import DEBUG, GRAD_STEPS, REFERENCE_BATCH, ROOT, debug_run, losses, metrics, prepared_data_dir
 from model import PRESETS, ModelArgs, Transformer
 from parallel import distributed
 from parallel.parallelize import ParallelConfig, shard_group_note
@@ -175,7 +175,7 @@ def test_checkpoints_move_between_fsdp_hsdp_and_2d_and_continue_the_run(tmp_path
         nproc, script, overrides = LAYOUTS[name]
         # All steps are in the LR warmup, so the schedule does not depend on train.steps.
         debug_run(nproc, rd, "--train.steps", str(step), "--checkpoint.interval", "1", "--train.val_interval", "0",
-                  *overrides, script=script, timeout=240)
+                  *REFERENCE_BATCH, *overrides, script=script, timeout=240)
     steps = list(range(FIRST + 1, FIRST + len(CHAIN)))
     assert [r["step"] for r in metrics(rd) if "loss" in r] == steps  # each run resumed
     uninterrupted, got = losses(reference), losses(rd)

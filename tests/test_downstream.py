@@ -159,7 +159,11 @@ def _scores(records: list[dict], step: int) -> dict:
 @pytest.mark.slow
 def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_and_pp(tmp_path, capsys):
     cfg, yaml_dir = _write_tasks(tmp_path)
-    run = ["--config", cfg, "--train.steps", "10", "--checkpoint.interval", "10", "--train.val_interval", "0"]
+    # Scored at steps 2 and 4 (a short warmup, so the scores move between them), a batch of 8: the comparisons need
+    # two scorings of a trained export, not a long run.
+    mid, end = 2, 4
+    run = ["--config", cfg, "--train.steps", str(end), "--checkpoint.interval", str(end), "--train.val_interval", "0",
+           "--eval.interval", str(mid), "--optim.warmup_steps", str(mid), "--train.global_batch_size", "8"]
     one, two, tp2, pp2 = tmp_path / "ws1", tmp_path / "ws2", tmp_path / "dp1tp2", tmp_path / "pp2"
     for rd in (one, two, tp2, pp2):
         prepared_data_dir(rd)  # the session's tokenized debug corpus: no tokenizer training per run
@@ -167,12 +171,12 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_an
     torchrun(2, "train_fsdp.py", *run, "--run_dir", str(two))
     torchrun(2, "train_2d.py", *run, "--run_dir", str(tp2), "--parallel.tp", "2")  # vocabulary-parallel logits
     torchrun(2, "train_fsdp.py", *run, "--run_dir", str(pp2), "--parallel.pp", "2")  # scored stage after stage
-    ours = {step: _scores(metrics(one), step) for step in (5, 10)}
-    assert set(ours[10]) == {f"eval/{t}/{m}" for t in TASKS for m in ("acc", "acc_norm")}, ours
-    assert ours[5] and ours[5] != ours[10]
-    assert {step: _scores(metrics(two), step) for step in (5, 10)} == ours
-    assert {step: _scores(metrics(tp2), step) for step in (5, 10)} == ours
-    assert {step: _scores(metrics(pp2), step) for step in (5, 10)} == ours
+    ours = {step: _scores(metrics(one), step) for step in (mid, end)}
+    assert set(ours[end]) == {f"eval/{t}/{m}" for t in TASKS for m in ("acc", "acc_norm")}, ours
+    assert ours[mid] and ours[mid] != ours[end]
+    assert {step: _scores(metrics(two), step) for step in (mid, end)} == ours
+    assert {step: _scores(metrics(tp2), step) for step in (mid, end)} == ours
+    assert {step: _scores(metrics(pp2), step) for step in (mid, end)} == ours
 
     export = tmp_path / "export"
     assert hf.main(["export", "--run_dir", str(one), "--out", str(export)]) == 0  # in this process: no start-up
@@ -186,7 +190,7 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_an
     results = json.load(open(sorted(str(p) for p in out.rglob("results*.json"))[-1]))["results"]
     harness = {f"eval/{t}/{m}": results[t][f"{m},none"] for t in TASKS for m in ("acc", "acc_norm")}
     assert harness["eval/stdlib_next/acc"] != harness["eval/stdlib_next/acc_norm"]  # length normalisation exercised
-    assert ours[10] == harness
+    assert ours[end] == harness
 
     proc = torchrun(2, "evaluate.py", "--run_dir", str(one), "--tasks", ",".join(TASKS), "--eval.limit", "0")
     printed = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -144,12 +144,12 @@ def test_the_spike_guard_skips_a_planted_spike_and_only_it(tmp_path, single_rank
 COMMON = ["--train.steps", "14", "--train.seed", "0", "--checkpoint.interval", "3", "--train.val_interval", "0",
           "--optim.name", "muon", "--optim.schedule", "wsd", "--optim.decay_fraction", "0.5",
           "--optim.warmup_steps", "2", "--train.z_loss", "1e-4", "--train.spike_skip", "0.5",
-          "--train.spike_window", "3"]
+          "--train.spike_window", "3", "--train.global_batch_size", "8"]
 
 
 def _ramp_config(tmp_path) -> str:
     path = tmp_path / "ramp.toml"
-    path.write_text(open(DEBUG).read() + "\n[[train.batch_stages]]\nstart_step = 5\nglobal_batch_size = 32\n")
+    path.write_text(open(DEBUG).read() + "\n[[train.batch_stages]]\nstart_step = 5\nglobal_batch_size = 16\n")
     return str(path)
 
 
@@ -165,7 +165,7 @@ def test_sigkill_and_resume_with_muon_wsd_a_batch_stage_and_the_spike_guard(tmp_
     torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", ref, *COMMON, "--checkpoint.keep", "0", timeout=300)
     want = losses(ref)
     skipped = [r["step"] for r in metrics(ref) if r.get("skipped")]
-    assert skipped and all(r["global_batch_size"] == (16 if r["step"] <= 5 else 32) for r in metrics(ref)
+    assert skipped and all(r["global_batch_size"] == (8 if r["step"] <= 5 else 16) for r in metrics(ref)
                            if "loss" in r), skipped
     p = spawn(torchrun_command(2, "train_fsdp.py", "--config", cfg, "--run_dir", rd, *COMMON),
               tmp_path / "killed.log")
