@@ -93,9 +93,10 @@ def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_bat
         least = min_microbatches(pp, schedule)
         need = f"parallel.pp ({pp})" if least == pp else f"the {least} micro-batches {schedule} needs (2 x parallel.pp)"
         fit = math.lcm(microbatches if microbatch_ok(microbatches, pp, schedule) else least, micro_batch_size) * dp
+        why = (f"fewer than {need}: every stage needs a micro-batch" if local_batch < least else
+               f"and {schedule} takes none of its divisors as the count of micro-batches")
         raise SetupError(f"train.global_batch_size gives each data-parallel rank {local_batch} sequence(s) per step, "
-                         f"fewer than {need}: every stage needs a micro-batch; use train.global_batch_size {fit} or "
-                         f"a multiple of it")
+                         f"{why}; use train.global_batch_size {fit} or a multiple of it")
     if not microbatches or microbatches in fits:
         return
     use = f"use parallel.pp_microbatches in {fits}"

@@ -171,6 +171,9 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
                                                                            "not a schedule here; did you mean "
                                                                            "'ZBVZeroBubble'?"),
     (1, ["--parallel.pp_schedule", "Zippy"], "parallel.pp_schedule 'Zippy' is not a schedule here"),  # at pp 1 too
+    (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--train.global_batch_size", "5"],
+     "train.global_batch_size gives each data-parallel rank 5 sequence(s) per step, and Interleaved1F1B takes none "
+     "of its divisors as the count of micro-batches; use train.global_batch_size 2 or a multiple of it"),
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV", "--train.global_batch_size", "2"],
      "train.global_batch_size gives each data-parallel rank 2 sequence(s) per step, fewer than the 4 micro-batches "
      "DualPipeV needs (2 x parallel.pp): every stage needs a micro-batch; use train.global_batch_size 4"),
