@@ -57,6 +57,10 @@ def require(module: str, extra: str | None, what: str, alternative: str = "") ->
                                   + (f"; or {alternative}" if alternative else "")) from None
 
 
+PEER_REPORT_S = 3.0
+"""How long a rank that reports bad input under torchrun waits before its command exits (report), seconds."""
+
+
 def report(e: UserError) -> None:
     """Tell the user about e once: 'error: <message>' on stderr from rank 0 (or a lone process).
 
@@ -66,6 +70,12 @@ def report(e: UserError) -> None:
     to its elastic error file (TORCHELASTIC_ERROR_FILE, torch.distributed.elastic's format),
     so torchrun's failure summary shows it, including for a rank that alone failed. A
     PeerError is printed by every rank that raised it: rank 0 may be the one that hung.
+
+    Under torchrun with peers, bad input (not a PeerError) is then followed by a wait of
+    PEER_REPORT_S: torchrun's agent stops the other ranks with SIGTERM as soon as one exits, so
+    a peer that started later and has not reached the same check yet would leave no error file
+    (its line in the summary reads <N/A>), and a rank 0 stopped that way would print no
+    'error:' line at all.
     """
     message = f"error: {e}".replace("\n", "\\n")  # a newline inside a name must not split the line
     if int(os.environ.get("RANK", 0)) == 0 or isinstance(e, PeerError):
@@ -76,6 +86,8 @@ def report(e: UserError) -> None:
             # The layout ErrorHandler.record_exception writes; the summary shows py_callstack as "traceback".
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
                                                                      "timestamp": str(int(time.time()))}}}, f)
+        if os.environ.get("WORLD_SIZE", "1") != "1" and not isinstance(e, PeerError):
+            time.sleep(PEER_REPORT_S)
 
 
 def one_line(e: BaseException, limit: int = 200) -> str:

@@ -48,20 +48,6 @@ def world_size() -> int:
     return _env_int("WORLD_SIZE", 1, 1)
 
 
-PEER_REPORT_S = 3.0
-"""How long a rank that stops on bad input waits before it exits (linger_for_peers), seconds."""
-
-
-def linger_for_peers(seconds: float = PEER_REPORT_S) -> None:
-    """Under torchrun with peers, wait `seconds` before this rank exits on an error every rank finds alike (bad
-    input, reported by errors.report): torchrun's agent stops the other ranks with SIGTERM as soon as one exits, so
-    a peer that started later and has not reached the same check yet would leave no elastic error file (its line
-    in torchrun's summary reads <N/A>), and a rank 0 stopped that way would print no 'error:' line at all.
-    Returns at once for a plain python run or a world of 1."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE") and os.environ.get("WORLD_SIZE", "1") != "1":
-        time.sleep(seconds)
-
-
 def local_world_size() -> int:
     """LOCAL_WORLD_SIZE from torchrun's environment: the ranks on this node (WORLD_SIZE when unset).
 

@@ -127,7 +127,6 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
         os._exit(2)
     except UserError as e:
         report(e)
-        distributed.linger_for_peers()
         return 2
     except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one inside it
         if int(os.environ.get("RANK", 0)) == 0:
