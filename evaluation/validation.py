@@ -88,7 +88,8 @@ def reshard(model: torch.nn.Module, pipeline=None) -> None:
     when a rank runs several.
     """
     roots = [model] + ([m for _, m in pipeline.stages] if pipeline is not None else [])
-    for m in (m for root in roots for m in root.modules()):
+    # Stages share the model's blocks (and a single stage is the model): each module once.
+    for m in dict.fromkeys(m for root in roots for m in root.modules()):
         if isinstance(m, FSDPModule):
             m.reshard()
 
