@@ -25,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 from launch import (  # noqa: E402
     DEBUG,
-    GRAD_STEPS,
+    GRAD_ARGS,
     REFERENCE_ARGS,
     debug_run,
     made_once,
@@ -42,7 +42,7 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 class GradRuns:
-    """grads(nproc, tp, *overrides): tests/grad_worker.py's result over GRAD_STEPS steps, each run once per test run.
+    """grads(nproc, tp, *overrides): tests/grad_worker.py's result over launch.GRAD_ARGS, each run once per test run.
 
     prefetch(keys) runs every missing (nproc, tp, *overrides) of keys with one torchrun launch per
     world size (grad_worker.py --jobs): a module that compares many layouts pays torchrun's and
@@ -99,8 +99,7 @@ class GradRuns:
                 rd = root / f"job{i}"
                 prepared_data_dir(rd)
                 jobs.append(["--out", str(rd / "result.pt"), "--tp", str(tp), "--config", DEBUG, "--run_dir", str(rd),
-                             "--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000",
-                             "--train.val_interval", "0", *overrides])
+                             *GRAD_ARGS, *overrides])
             with open(root / "jobs.json", "w") as f:
                 json.dump(jobs, f)
             torchrun(nproc, "tests/grad_worker.py", "--jobs", str(root / "jobs.json"), timeout=180 + 60 * len(batch))

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import train_2d  # noqa: E402
 import train_fsdp  # noqa: E402
+from core.cli import exit_command  # noqa: E402
 from data_pipeline.loader import GlobalBatchLoader  # noqa: E402
 from training import step as step_module  # noqa: E402
 
@@ -47,4 +48,4 @@ def inject(spec: str) -> None:
 
 if __name__ == "__main__":
     inject(os.environ["DIVERGE"])
-    sys.exit((train_2d if os.environ.get("DIVERGE_ENTRY") == "train_2d" else train_fsdp).main())
+    exit_command((train_2d if os.environ.get("DIVERGE_ENTRY") == "train_2d" else train_fsdp).main())

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import checkpoint  # noqa: E402
 import train_fsdp  # noqa: E402
+from core.cli import exit_command  # noqa: E402
 
 
 def die_at(rank: int, step: int, when: str) -> None:
@@ -64,4 +65,4 @@ if __name__ == "__main__":
     if attempt < len(faults):
         rank, step, when = faults[attempt].split(":")
         die_at(int(rank), int(step), when)
-    sys.exit(train_fsdp.main())
+    exit_command(train_fsdp.main())

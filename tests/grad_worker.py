@@ -111,6 +111,7 @@ def run_job(argv: list[str]) -> None:
 
 
 def main() -> None:
+    gc.freeze()  # the imports' objects: out of reach of each job's collection and the exit's (core.cli.exit_command)
     for argv in job_list(sys.argv[1:]):
         run_job(argv)
     distributed.finish_distributed()

@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from unittest import mock
 
+import torch
+
 import prepare
 from config import parse_config
 from parallel import distributed
@@ -23,6 +25,10 @@ GRAD_STEPS = 3
 """Steps of the conftest `worker` fixture's runs (tests/grad_worker.py)."""
 REFERENCE_BATCH = ["--train.global_batch_size", "8"]
 """The reference run's batch: half the debug config's, which halves each step's time; kill and resume need no more."""
+GRAD_ARGS = ["--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000", "--train.val_interval", "0",
+             *REFERENCE_BATCH]
+"""The `worker` fixture's runs (and the runs compared with them): GRAD_STEPS steps of REFERENCE_BATCH, no saves or
+validation; a layout's overrides come after, so they can set another batch."""
 REFERENCE_ARGS = ["--train.steps", "10", "--train.seed", "0", "--checkpoint.interval", "2", "--train.val_interval", "0",
                   *REFERENCE_BATCH]
 """Overrides of the conftest `reference` run (2 ranks), which kill and resume tests repeat."""
@@ -209,6 +215,23 @@ def before_any_collective(monkeypatch, world: int):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
     with mock.patch.object(distributed, "init_distributed", side_effect=AssertionError("a collective started")):
         yield
+
+
+def main_in_process(monkeypatch, capsys, *argv: str, world_size: int = 1) -> tuple[int, str]:
+    """train_fsdp.main(argv) in this process, as rank 0 of world_size; returns (exit status, stderr).
+
+    For refusals: they come before any collective, or at world_size 1 inside a gloo group of one, which the run
+    leaves on its error path (asserted). Saves a torchrun launch (about 4 CPU-s) per refusal.
+    """
+    import train_fsdp
+
+    assert not torch.distributed.is_initialized(), "main_in_process joins a group of its own: not with single_rank_group"
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))  # should it get as far as the group
+    capsys.readouterr()
+    rc = train_fsdp.main([str(a) for a in argv])
+    assert not torch.distributed.is_initialized()
+    return rc, capsys.readouterr().err
 
 
 def refused(main, argv, capsys) -> str:

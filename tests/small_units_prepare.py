@@ -5,9 +5,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import prepare  # noqa: E402
+from core.cli import exit_command  # noqa: E402
 from data_pipeline import filesplit  # noqa: E402
 
 if __name__ == "__main__":
     assert sys.argv[1] == "--unit_bytes", "usage: small_units_prepare.py --unit_bytes N prepare-arguments..."
     filesplit.UNIT_BYTES = int(sys.argv[2])
-    sys.exit(prepare.main(sys.argv[3:]))
+    exit_command(prepare.main(sys.argv[3:]))

@@ -65,7 +65,7 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-CHUNKED = ("--train.loss_chunk_size", "100")  # 16 x 128 tokens a step: 21 chunks, the last one short
+CHUNKED = ("--train.loss_chunk_size", "100")  # 4 x 128 tokens a micro-batch: 6 chunks, the last one short
 DOCMASK = ("--model.document_mask", "true")
 HSDP = ("--parallel.dp_replicate", "2")
 Z_LOSS = ("--train.z_loss", "0.01")  # 100x PaLM's, so that the term moves the gradients measurably
@@ -75,12 +75,12 @@ COMPLETEP = ("--model.parametrization", "completep", "--model.base_dim", "64", "
 
 LAYOUT_CASES = [
     (2, 1, (), ()),  # plain FSDP on 2 ranks: same initial weights, losses and gradients as 1 process
-    (2, 2, ("--train.micro_batch_size", "4"), ()),  # and 4 accumulated micro-batches against one batch of 16
+    (2, 2, ("--train.micro_batch_size", "2"), ()),  # and 4 accumulated micro-batches against one batch of 8
     (4, 2, (), ()),
     # The chunked loss against the full-logits loss of one process, with accumulation; under TP
     # loss_parallel is used instead (the setting must change nothing there).
-    (1, 1, (*CHUNKED, "--train.micro_batch_size", "8"), ()),
-    (2, 1, (*CHUNKED, "--train.micro_batch_size", "4"), ()),
+    (1, 1, (*CHUNKED, "--train.micro_batch_size", "4"), ()),
+    (2, 1, (*CHUNKED, "--train.micro_batch_size", "2"), ()),
     (2, 2, (*CHUNKED, "--train.micro_batch_size", "4"), ()),
     # Document masking: every layout trains as one process with the same mask.
     (2, 1, DOCMASK, DOCMASK),
@@ -158,9 +158,11 @@ LAYOUTS = {  # name: (ranks, script, overrides)
     "hsdp2x2": (4, "train_fsdp.py", HSDP),
     "dp2xtp2": (4, "train_2d.py", ("--parallel.tp", "2")),
 }
-# Each layout saves and the next resumes: every ordered pair of different layouts occurs once. The first is the
-# conftest reference's step-2 checkpoint (fsdp2, train_fsdp.py): the chain's runs are its steps 3, 4, ...
-CHAIN = ["fsdp2", "hsdp2x2", "dp2xtp2", "fsdp2", "dp2xtp2", "hsdp2x2", "fsdp2"]
+# Each layout saves and the next resumes, round the cycle: each layout loads another's checkpoint (of another world
+# size or script) and is loaded by another. The first is the conftest reference's step-2 checkpoint (fsdp2,
+# train_fsdp.py): the chain's runs are its steps 3, 4, 5. (Other moves: test_checkpoint.py 2 <-> 1 rank,
+# test_context_parallel.py and test_pipeline.py to train_2d.py and 1 rank.)
+CHAIN = ["fsdp2", "hsdp2x2", "dp2xtp2", "fsdp2"]
 FIRST = 2
 
 

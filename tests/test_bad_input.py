@@ -12,7 +12,16 @@ import checkpoint as ckpt_lib
 import data
 import train_fsdp
 from data_pipeline import sources, tokenizer
-from launch import DEBUG, REFERENCE_ARGS, debug_run, losses, metrics, prepared_data_dir
+from launch import (
+    DEBUG,
+    REFERENCE_ARGS,
+    REFERENCE_BATCH,
+    debug_run,
+    losses,
+    main_in_process,
+    metrics,
+    prepared_data_dir,
+)
 from parallel import distributed
 from storage.rundir import lock_run_dir
 
@@ -33,11 +42,8 @@ def existing_run(tmp_path_factory):
 
 
 def _main_in_process(monkeypatch, capsys, *argv, world_size=1):
-    """train_fsdp.main in this process: for errors raised before the process group exists."""
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))  # should validation pass, no port clash
-    rc = train_fsdp.main(["--config", DEBUG, *argv])
-    return rc, capsys.readouterr().err
+    """train_fsdp.main with the debug config in this process (launch.main_in_process)."""
+    return main_in_process(monkeypatch, capsys, "--config", DEBUG, *argv, world_size=world_size)
 
 
 @pytest.fixture(scope="module")
@@ -228,9 +234,10 @@ def _errors(stderr):
     return [line[line.index("error: "):] for line in stderr.splitlines() if "error: " in line]
 
 
-def _bad_data_run(rd, *argv):
-    proc = debug_run(1, rd, "--train.steps", "2", *argv, check=False, timeout=120)
-    return proc.returncode, _errors(proc.stderr)
+def _bad_data_run(monkeypatch, capsys, rd, *argv):
+    """A 1-rank run in this process: the data is read inside a gloo group of one, which its errors leave."""
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(rd), "--train.steps", "2", *argv)
+    return rc, _errors(err)
 
 
 @pytest.mark.parametrize("files, extra, msg", [
@@ -242,13 +249,13 @@ def _bad_data_run(rd, *argv):
     ({"a.jsonl": ""}, [], "holds no rows; point it at real data"),
 ])
 @pytest.mark.slow
-def test_bad_data_fails_with_the_file_and_leaves_no_data_behind(tmp_path, files, extra, msg):
+def test_bad_data_fails_with_the_file_and_leaves_no_data_behind(tmp_path, monkeypatch, capsys, files, extra, msg):
     src = tmp_path / "src"
     src.mkdir()
     for name, content in files.items():
         (src / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     rd = tmp_path / "run"
-    rc, err = _bad_data_run(rd, "--data.dataset", str(src), *extra)
+    rc, err = _bad_data_run(monkeypatch, capsys, rd, "--data.dataset", str(src), *extra)
     assert rc != 0 and len(set(err)) == 1 and msg in err[0], err
     assert not (rd / "data").exists() and not (rd / "metrics.jsonl").exists()
 
@@ -262,9 +269,9 @@ def test_undecodable_bytes_can_be_replaced_on_request(tmp_path):
 
 
 @pytest.mark.slow
-def test_changed_data_settings_on_an_existing_run_are_refused(existing_run):
+def test_changed_data_settings_on_an_existing_run_are_refused(existing_run, monkeypatch, capsys):
     before = _snapshot(existing_run)
-    rc, err = _bad_data_run(existing_run, "--data.max_documents", "10", "--train.steps", "3")
+    rc, err = _bad_data_run(monkeypatch, capsys, existing_run, "--data.max_documents", "10", "--train.steps", "3")
     assert rc != 0 and "was prepared with other data settings (data.max_documents: 400 -> 10)" in err[0]
     assert _snapshot(existing_run) == before
 
@@ -274,7 +281,8 @@ def test_nonfinite_gradient_stops_without_touching_the_last_checkpoint(tmp_path)
     """The stop keeps checkpoint 1; its remedy, the same command with --train.nonfinite skip, resumes from it and
     gives a fresh run with that flag from the start: the same losses and skipped steps."""
     rd, ref = tmp_path / "nan", tmp_path / "ref"
-    bad = ["--train.steps", "6", "--optim.lr", "1e30", "--optim.warmup_steps", "0", "--checkpoint.interval", "1"]
+    bad = ["--train.steps", "6", "--optim.lr", "1e30", "--optim.warmup_steps", "0", "--checkpoint.interval", "1",
+           *REFERENCE_BATCH]
     for d in (rd, ref):
         prepared_data_dir(d)
     proc = debug_run(2, rd, *bad, check=False, timeout=120)
@@ -293,28 +301,28 @@ def test_nonfinite_gradient_stops_without_touching_the_last_checkpoint(tmp_path)
 def test_a_checkpoint_with_a_missing_shard_file_is_named(tmp_path):
     rd = tmp_path / "run"
     prepared_data_dir(rd)
-    debug_run(2, rd, "--train.steps", "2", "--checkpoint.interval", "2")
+    debug_run(2, rd, "--train.steps", "2", "--checkpoint.interval", "2", *REFERENCE_BATCH)
     shard = next((rd / "checkpoints" / "step_00000002").glob("__1_*.distcp"))
     shard.unlink()
     before = _snapshot(rd)
-    proc = debug_run(2, rd, "--train.steps", "4", check=False, timeout=120)
+    proc = debug_run(2, rd, "--train.steps", "4", *REFERENCE_BATCH, check=False, timeout=120)
     err = _errors(proc.stderr)
     assert proc.returncode != 0 and err and f"is incomplete: '{shard.name}' is missing" in err[0], proc.stderr[-2000:]
     assert _snapshot(rd) == before
 
 
 @pytest.mark.slow
-def test_changed_model_settings_on_resume_are_refused(existing_run):
+def test_changed_model_settings_on_resume_are_refused(existing_run, monkeypatch, capsys):
     before = _snapshot(existing_run)
-    rc, err = _bad_data_run(existing_run, "--model.rope_theta", "500000", "--train.steps", "3")
+    rc, err = _bad_data_run(monkeypatch, capsys, existing_run, "--model.rope_theta", "500000", "--train.steps", "3")
     assert rc != 0 and "saved with other settings (model.rope_theta: checkpoint 10000.0, now 500000.0)" in err[0]
     assert _snapshot(existing_run) == before
 
 
 @pytest.mark.slow
-def test_a_changed_seq_len_on_resume_is_refused(existing_run):
+def test_a_changed_seq_len_on_resume_is_refused(existing_run, monkeypatch, capsys):
     before = _snapshot(existing_run)
-    rc, err = _bad_data_run(existing_run, "--data.seq_len", "64", "--train.steps", "3")
+    rc, err = _bad_data_run(monkeypatch, capsys, existing_run, "--data.seq_len", "64", "--train.steps", "3")
     assert rc != 0 and "data.seq_len: checkpoint 128, now 64" in err[0], err
     assert _snapshot(existing_run) == before
 
@@ -341,14 +349,14 @@ def test_a_run_directory_in_use_stops_a_second_run(existing_run, monkeypatch, ca
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_is_named_on_resume(existing_run, tmp_path):
+def test_a_damaged_checkpoint_is_named_on_resume(existing_run, tmp_path, monkeypatch, capsys):
     rd = tmp_path / "run"
     shutil.copytree(existing_run, rd)
     newest = ckpt_lib.complete_checkpoints(str(rd / "checkpoints"))[-1][1]
     shard = os.path.join(newest, "__0_0.distcp")
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
-    rc, err = _bad_data_run(rd, "--train.steps", "3")
+    rc, err = _bad_data_run(monkeypatch, capsys, rd, "--train.steps", "3")
     assert rc != 0 and f"checkpoint '{newest}' is damaged, it cannot be read (rank 0:" in err[0], err
 
 
@@ -396,15 +404,16 @@ def test_load_from_a_checkpoint_of_another_tokenizer_is_refused(existing_run, bi
 
 
 @pytest.mark.slow
-def test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run(existing_run, tmp_path):
+def test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run(existing_run, tmp_path, monkeypatch,
+                                                                                capsys):
     """--train.steps 1 after 2 steps: nothing can run; it used to print 'finished: step 2 of 1' and rewrite config.toml."""
     before = _snapshot(existing_run)
-    proc = debug_run(1, existing_run, "--train.steps", "1", check=False)
+    rc, err = _main_in_process(monkeypatch, capsys, "--run_dir", str(existing_run), "--train.steps", "1")
     ckpt = existing_run / "checkpoints" / "step_00000002"
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0 and errors == [
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert rc != 0 and errors == [
         f"error: train.steps (1) is below the 2 steps already done in {ckpt}: pass --train.steps above 2 to continue "
-        f"this run, or branch from an earlier checkpoint with --checkpoint.load_from and a new --run_dir"], proc.stderr
+        f"this run, or branch from an earlier checkpoint with --checkpoint.load_from and a new --run_dir"], err
     assert _snapshot(existing_run) == before
     # The fix as printed, in a copy: a train.steps above 2 continues the run at step 3.
     copy = tmp_path / "copy"

@@ -16,10 +16,12 @@ import train_2d
 import train_fsdp
 from launch import (
     DEBUG,
+    REFERENCE_BATCH,
     before_any_collective,
     debug_run,
     kill_tree,
     losses,
+    main_in_process,
     metrics,
     prepared_data_dir,
     refused,
@@ -323,15 +325,15 @@ def test_moe_train_records_carry_the_load_and_the_bias_range(moe_run):
 
 
 @pytest.mark.slow
-def test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused(moe_run, tmp_path):
+def test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused(moe_run, tmp_path, monkeypatch, capsys):
     # MoE saved, resumed dense: refused naming both; the printed flags resume it.
     before = _snapshot(moe_run)
-    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(moe_run), "--train.steps", "3",
-                    "--train.val_interval", "0", check=False)
-    err = next((line for line in proc.stderr.splitlines() if line.startswith("error: ")), proc.stderr[-2000:])
-    assert proc.returncode != 0 and "holds a mixture of experts (model.n_experts 4), but this run is a dense model " \
+    rc, stderr = main_in_process(monkeypatch, capsys, "--config", DEBUG, "--run_dir", moe_run, "--train.steps", "3",
+                                 "--train.val_interval", "0")
+    err = next((line for line in stderr.splitlines() if line.startswith("error: ")), stderr[-2000:])
+    assert rc != 0 and "holds a mixture of experts (model.n_experts 4), but this run is a dense model " \
         "(model.n_experts 0); pass --model.n_experts 4 --model.experts_per_token 2 --model.n_shared_experts 1 to " \
-        "resume it" in err, proc.stderr[-2000:]
+        "resume it" in err, stderr[-2000:]
     assert _snapshot(moe_run) == before
     flags = err.split("; pass ")[1].split(" to resume it")[0].split()
     torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(moe_run), "--train.steps", "3",
@@ -344,9 +346,9 @@ def test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused(moe_run, tm
     for f in ("config.toml", "checkpoints/step_00000003/config.toml", "data/meta.json"):  # the run moved here
         (rd / f).write_text((rd / f).read_text().replace("/tmp/legacy_run", str(rd)))
     before = _snapshot(rd)
-    proc = torchrun(1, "train_fsdp.py", "--run_dir", str(rd), *LEGACY_FLAGS, *MOE, check=False)
-    assert proc.returncode != 0 and "holds a dense model (model.n_experts 0), but this run is a mixture of experts " \
-        "(model.n_experts 4); resume it without --model.n_experts" in proc.stderr, proc.stderr[-2000:]
+    rc, stderr = main_in_process(monkeypatch, capsys, "--run_dir", rd, *LEGACY_FLAGS, *MOE)
+    assert rc != 0 and "holds a dense model (model.n_experts 0), but this run is a mixture of experts " \
+        "(model.n_experts 4); resume it without --model.n_experts" in stderr, stderr[-2000:]
     assert _snapshot(rd) == before
 
 
@@ -415,7 +417,7 @@ def test_moe_losses_and_gradients_equal_one_process_at_every_layout(worker, layo
 @pytest.mark.slow
 def test_sigkill_at_ep_2_then_resume_on_1_rank_gives_the_uninterrupted_losses(tmp_path):
     args = ["--config", DEBUG, "--train.steps", "6", "--checkpoint.interval", "2", "--train.val_interval", "0",
-            *MOE_LOSSES]
+            *REFERENCE_BATCH, *MOE_LOSSES]
     ref, rd = tmp_path / "ref", tmp_path / "killed"
     for d in (ref, rd):
         prepared_data_dir(d)

@@ -11,10 +11,8 @@ import sys
 
 import pytest
 
-from launch import DEBUG, GRAD_STEPS, ROOT, kill_tree, losses, prepared_data_dir, spawn, wait_for_step
+from launch import DEBUG, GRAD_ARGS, ROOT, kill_tree, losses, prepared_data_dir, spawn, wait_for_step
 from parallel import distributed
-
-FAST = ["--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000", "--train.val_interval", "0"]
 
 
 def slurm_command(script: str, run_dir, *args: str, nodes: int = 2, nproc_per_node: int = 2) -> list[str]:
@@ -66,7 +64,7 @@ def test_bad_slurm_script_arguments_are_one_line_and_touch_nothing(tmp_path, arg
 def test_two_agents_as_two_nodes_train_the_same_run_as_one(tmp_path, worker, script, overrides, one_agent):
     rd = tmp_path / "run"
     prepared_data_dir(rd)
-    cmd = slurm_command(script, rd, *FAST, *overrides)
+    cmd = slurm_command(script, rd, *GRAD_ARGS, *overrides)
     cmd = cmd[cmd.index("--kill-on-bad-exit=1") + 1:]  # what srun runs on each node
     cmd[cmd.index("torchrun"):cmd.index("torchrun") + 1] = [sys.executable, "-m", "torch.distributed.run"]
     nodes = [spawn(cmd, tmp_path / f"node{i}.log") for i in range(2)]

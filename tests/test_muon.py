@@ -14,7 +14,7 @@ import torch
 import torch.optim._muon
 
 from config import parse_config
-from launch import DEBUG, losses, prepared_data_dir, torchrun
+from launch import DEBUG, REFERENCE_BATCH, losses, prepared_data_dir, torchrun
 from optimization import muon
 from optimization.muon import is_muon_matrix
 from optimization.optimizers import lr_factor
@@ -150,8 +150,10 @@ def test_muon_wsd_checkpoint_loads_at_another_world_size(tmp_path):
     resharded by DCP, its WSD schedule recomputed) continues with the uninterrupted run's losses."""
     common = ["--config", DEBUG, "--optim.name", "muon", "--optim.schedule", "wsd", "--optim.decay_fraction", "0.5",
               "--optim.warmup_steps", "2", "--train.steps", "10", "--checkpoint.interval", "5",
-              "--train.val_interval", "0"]
+              "--train.val_interval", "0", *REFERENCE_BATCH]
     ref, branch = tmp_path / "ref", tmp_path / "branch"
+    for d in (ref, branch):
+        prepared_data_dir(d)  # the session's tokenized corpus: no tokenizer training per run
     first = torchrun(2, "train_fsdp.py", *common, "--run_dir", ref)
     assert "all_gather_into_tensor" not in first.stderr  # torch 2.13's FutureWarning, once per rank, is gone
     torchrun(1, "train_fsdp.py", *common, "--run_dir", branch, "--checkpoint.load_from",

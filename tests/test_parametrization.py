@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from launch import ROOT, losses, torchrun
+from launch import ROOT, losses, main_in_process, torchrun
 from model import PRESETS, ModelArgs, Transformer
 from optimization.optimizers import OptimConfig, build_optimizer
 
@@ -142,7 +142,7 @@ model.parametrization existed (tests/data/legacy_sp_losses.json: that code's los
 
 
 @pytest.mark.slow
-def test_a_checkpoint_from_before_parametrizations_resumes_as_sp_with_the_old_codes_losses(tmp_path):
+def test_a_checkpoint_from_before_parametrizations_resumes_as_sp_with_the_old_codes_losses(tmp_path, monkeypatch, capsys):
     rd = tmp_path / "legacy"
     shutil.copytree(LEGACY, rd)
     for f in ("config.toml", "checkpoints/step_00000003/config.toml", "data/meta.json"):  # the run moved here
@@ -155,10 +155,10 @@ def test_a_checkpoint_from_before_parametrizations_resumes_as_sp_with_the_old_co
         return sorted((p, p.stat().st_mtime_ns) for p in rd.rglob("*") if p.name != ".lock")
 
     before = snapshot()
-    proc = torchrun(1, "train_fsdp.py", "--run_dir", str(rd), *LEGACY_FLAGS, "--model.parametrization", "mup",
-                    "--model.base_dim", "16", check=False)
-    assert proc.returncode != 0 and "model.parametrization: checkpoint 'sp', now 'mup'; model.base_dim: checkpoint 0, " \
-        "now 16" in proc.stderr, proc.stderr[-2000:]
+    rc, err = main_in_process(monkeypatch, capsys, "--run_dir", rd, *LEGACY_FLAGS, "--model.parametrization", "mup",
+                              "--model.base_dim", "16")
+    assert rc != 0 and "model.parametrization: checkpoint 'sp', now 'mup'; model.base_dim: checkpoint 0, " \
+        "now 16" in err, err[-2000:]
     assert snapshot() == before
     torchrun(1, "train_fsdp.py", "--run_dir", str(rd), *LEGACY_FLAGS)
     new = losses(rd)

@@ -10,6 +10,7 @@ import train_fsdp
 from launch import (
     DEBUG,
     GRAD_STEPS,
+    REFERENCE_BATCH,
     before_any_collective,
     kill_tree,
     losses,
@@ -104,8 +105,9 @@ SHARED = {"docmask": ["--model.document_mask", "true"], "muon": ["--optim.name",
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", PP_LAYOUTS)
 def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
-    def model(name):
-        return [*MHA, "--model.n_layers", "4", *(f for k, v in SHARED.items() if k in name for f in v)]
+    def model(name):  # the debug config's batch of 16: at 8 (one sequence a micro-batch) the noise is 10x larger
+        return [*MHA, "--model.n_layers", "4", "--train.global_batch_size", "16",
+                *(f for k, v in SHARED.items() if k in name for f in v)]
     worker.prefetch([(1, 1, *model(k)) for k in PP_LAYOUTS] + [(n, tp, *model(k), *more)
                                                                 for k, (n, tp, more) in PP_LAYOUTS.items()])
     n, tp, more = PP_LAYOUTS[layout]
@@ -125,7 +127,7 @@ def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
 @pytest.mark.slow
 def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninterrupted_losses_and_val_loss(tmp_path):
     args = ["--config", DEBUG, "--train.steps", "6", "--checkpoint.interval", "2", "--train.val_interval", "3",
-            *MHA]
+            *REFERENCE_BATCH, *MHA]
     ref, rd = tmp_path / "ref", tmp_path / "killed"
     for d in (ref, rd):
         prepared_data_dir(d)
