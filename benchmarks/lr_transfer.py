@@ -1,6 +1,7 @@
-"""Does the best learning rate stay put as the model grows? sp against mup across width, mup against completep across depth.
+"""Does the best learning rate stay put as the model grows? sp against mup across width, sp against completep across depth.
 
     python benchmarks/lr_transfer.py --out benchmarks/results/FILE.md [--steps 200] [--workers 2]
+        [--optimizers adamw,muon] [--sweeps 'sp depth,completep depth'] [--dataset GLOB]
 
 About an hour on 2 cores with the defaults (55 minutes measured). Every point trains the trainer's model and
 optimizer (model.py, optimization/) in one process on one thread, on the offline stdlib corpus
@@ -10,9 +11,11 @@ batches in the same order for every point, a fixed budget (steps x BATCH x SEQ t
 The score is the final validation loss on VAL_WINDOWS held-out windows (a diverged run scores
 inf). LRs: a x2 grid, LRS. Sweeps, for AdamW and for Muon:
 - width: dim 32, 64, 128, 256 (8x) at 2 layers, head_dim 32, ffn 8/3 dim; sp and mup (base_dim 32);
-- depth: 2, 4, 8, 16 layers (8x) at dim 64; mup (no depth rule) and completep (base_n_layers 2).
+- depth: 2, 4, 8, 16 layers (8x) at dim 64; sp (no depth rule) and completep (base_dim 64, base_n_layers 2).
 Reported: the best LR of every size, how many grid steps it moves across the sizes, the loss
-table, and a PNG of loss against LR, one curve per size (the mup paper's figure 1).
+table, and a PNG of loss against LR, one curve per size (the mup paper's figure 1). With both depth
+sweeps: completep at its 2-layer proxy's best LR against sp at its best LR per depth (the transfer goal).
+--optimizers, --sweeps and --dataset (data.dataset; default the stdlib corpus) select a part.
 
     python benchmarks/lr_transfer.py --tune --steps 150 --out FILE.md [--dataset GLOB] [--widths 32,64,128,256]
 
@@ -28,6 +31,7 @@ import argparse
 import math
 import multiprocessing
 import os
+import re
 import sys
 import time
 
@@ -40,7 +44,7 @@ WIDTHS, DEPTHS = [32, 64, 128, 256], [2, 4, 8, 16]
 SWEEPS = {  # name: (parametrization, sizes, axis)
     "sp width": ("sp", WIDTHS, "dim"),
     "mup width": ("mup", WIDTHS, "dim"),
-    "mup depth": ("mup", DEPTHS, "n_layers"),
+    "sp depth": ("sp", DEPTHS, "n_layers"),
     "completep depth": ("completep", DEPTHS, "n_layers"),
 }
 
@@ -75,10 +79,10 @@ def model_args(parametrization: str, axis: str, size: int):
 
 
 def train_point(job: tuple) -> tuple:
-    """(job, final val loss) of one (optimizer, sweep, size, lr, steps, workdir) point."""
-    optim, sweep, size, lr, steps, workdir = job
+    """(job, final val loss) of one (optimizer, sweep, size, lr, steps, workdir, dataset) point."""
+    optim, sweep, size, lr, steps, workdir, dataset = job
     parametrization, _, axis = SWEEPS[sweep]
-    return job, train(model_args(parametrization, axis, size), optim, lr, steps, workdir)
+    return job, train(model_args(parametrization, axis, size), optim, lr, steps, workdir, dataset)
 
 
 def train(args, optim: str, lr: float, steps: int, workdir: str, dataset: str = "") -> float:
@@ -127,8 +131,10 @@ def report(results: dict, steps: int) -> list[str]:
     lines = [f"Budget: {steps} steps x {BATCH} x {SEQ} = {steps * BATCH * SEQ:,} tokens per point; LR grid "
              + ", ".join(f"{lr:.2g}" for lr in LRS) + ".", "",
              "| optimizer | sweep | best LR per size | moves (grid steps of 2x) |", "|---|---|---|---|"]
-    for optim in ("adamw", "muon"):
-        for sweep, (_, sizes, axis) in SWEEPS.items():
+    optims, sweeps = _present(results)
+    for optim in optims:
+        for sweep in sweeps:
+            _, sizes, axis = SWEEPS[sweep]
             best = [best_lr(results[optim, sweep, s]) for s in sizes]
             idx = [LRS.index(b) for b in best if b is not None]
             moves = max(idx) - min(idx) if idx else "-"
@@ -139,7 +145,42 @@ def report(results: dict, steps: int) -> list[str]:
               "|---|---|---|" + "---|" * len(LRS)]
     for (optim, sweep, size), scores in results.items():
         lines.append(f"| {optim} | {sweep} | {size} | " + " | ".join(f"{scores[lr]:.3f}" for lr in LRS) + " |")
+    if {"sp depth", "completep depth"} <= set(sweeps):
+        lines += ["", *depth_transfer(results, optims)]
     return lines
+
+
+def _present(results: dict) -> tuple[list[str], list[str]]:
+    """The optimizers and sweeps that results holds, in the order of ("adamw", "muon") and SWEEPS."""
+    return ([o for o in ("adamw", "muon") if any(k[0] == o for k in results)],
+            [s for s in SWEEPS if any(k[1] == s for k in results)])
+
+
+def depth_transfer(results: dict, optims: list[str]) -> list[str]:
+    """Markdown: per optimizer, completep at its proxy's (DEPTHS[0] layers) best LR against sp at its best LR of the
+    grid per depth, and the goal's verdicts (no worse than sp at 4x and 8x the proxy's depth; falls with depth)."""
+    lines = ["completep at the proxy's best LR (tuned at 2 layers, never at the depth) against sp at its best LR of "
+             "the grid at each depth:", "",
+             "| optimizer | n_layers | sp best LR | sp | completep at the proxy's LR | completep - sp |",
+             "|---|---|---|---|---|---|"]
+    verdicts = []
+    for optim in optims:
+        lr0 = best_lr(results[optim, "completep depth", DEPTHS[0]])
+        if lr0 is None:
+            verdicts.append(f"- {optim}: the completep proxy diverged at every LR of the grid")
+            continue
+        cp = [results[optim, "completep depth", d][lr0] for d in DEPTHS]
+        sp = []
+        for d, c in zip(DEPTHS, cp):
+            s_lr = best_lr(results[optim, "sp depth", d])
+            sp.append(results[optim, "sp depth", d][s_lr] if s_lr else math.inf)
+            shown = "diverged" if s_lr is None else f"{s_lr:.2g}" + (" (grid edge)" if s_lr in (LRS[0], LRS[-1]) else "")
+            lines.append(f"| {optim} | {d} | {shown} | {sp[-1]:.4f} | {c:.4f} (lr {lr0:.2g}) | {c - sp[-1]:+.4f} |")
+        ok = all(c <= s for c, s in zip(cp[2:], sp[2:]))
+        mono = all(b < a for a, b in zip(cp, cp[1:]))
+        verdicts.append(f"- {optim}: completep no worse than tuned sp at 4x and 8x the depth: {'yes' if ok else 'no'}; "
+                        f"its loss falls monotonically with depth: {'yes' if mono else 'no'}")
+    return lines + [""] + verdicts
 
 
 def draw(results: dict, path: str) -> None:
@@ -147,9 +188,11 @@ def draw(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(SWEEPS), figsize=(4 * len(SWEEPS), 6.4), squeeze=False)
-    for r, optim in enumerate(("adamw", "muon")):
-        for c, (sweep, (_, sizes, axis)) in enumerate(SWEEPS.items()):
+    optims, sweeps = _present(results)
+    fig, axes = plt.subplots(len(optims), len(sweeps), figsize=(4 * len(sweeps), 3.2 * len(optims)), squeeze=False)
+    for r, optim in enumerate(optims):
+        for c, sweep in enumerate(sweeps):
+            _, sizes, axis = SWEEPS[sweep]
             ax = axes[r][c]
             for s in sizes:
                 ys = [results[optim, sweep, s][lr] for lr in LRS]
@@ -299,12 +342,24 @@ def main() -> None:
     parser.add_argument("--workdir", default=os.path.join(ROOT, "runs", "lr_transfer"))
     parser.add_argument("--tune", action="store_true", help="tune lr and the base multipliers on the proxy, then "
                         "compare the transfer with sp tuned per width (AdamW; see tune)")
-    parser.add_argument("--dataset", default="", help="--tune: data.dataset (default: the stdlib corpus)")
+    parser.add_argument("--dataset", default="", help="data.dataset (default: the stdlib corpus)")
+    parser.add_argument("--optimizers", default="adamw,muon", help="without --tune: the optimizers to sweep")
+    parser.add_argument("--sweeps", default=",".join(SWEEPS), help="without --tune: the sweeps, of " + ", ".join(SWEEPS))
     parser.add_argument("--widths", default=",".join(map(str, TUNE_WIDTHS)), help="--tune: the proxy's width (32), "
                         "then the widths it transfers to")
     a = parser.parse_args()
+    optims, sweeps = a.optimizers.split(","), a.sweeps.split(",")
+    if not set(optims) <= {"adamw", "muon"} or not optims:
+        parser.error(f"--optimizers: a comma list of adamw, muon; got {a.optimizers!r}")
+    if not set(sweeps) <= set(SWEEPS) or not sweeps:
+        parser.error(f"--sweeps: a comma list of {', '.join(SWEEPS)}; got {a.sweeps!r}")
     os.makedirs(a.workdir, exist_ok=True)
-    corpus(a.workdir, a.dataset)  # tokenize once, before the workers
+    from core.errors import UserError
+
+    try:
+        corpus(a.workdir, a.dataset)  # tokenize once, before the workers
+    except UserError as e:
+        sys.exit(f"error: {e}")
     if a.tune:
         TUNE_WIDTHS[:] = [int(w) for w in a.widths.split(",")]
         if TUNE_WIDTHS[0] != 32 or len(TUNE_WIDTHS) < 3:
@@ -318,8 +373,8 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
-    jobs = [(optim, sweep, s, lr, a.steps, a.workdir) for optim in ("adamw", "muon")
-            for sweep, (_, sizes, _) in SWEEPS.items() for s in sizes for lr in LRS]
+    jobs = [(optim, sweep, s, lr, a.steps, a.workdir, a.dataset) for optim in optims
+            for sweep in sweeps for s in SWEEPS[sweep][1] for lr in LRS]
     jobs.sort(key=lambda j: -(j[2] ** 2 if SWEEPS[j[1]][2] == "dim" else 64 ** 2 * j[2] / 2))  # largest first
     results: dict = {}
     t = time.perf_counter()
@@ -330,9 +385,10 @@ def main() -> None:
             print(f"[{n}/{len(jobs)} {time.perf_counter() - t:.0f} s] {optim} {sweep} {size} lr {lr:.2g}: "
                   f"{score:.4f}", flush=True)
     results = {k: results[k] for k in sorted(results, key=lambda k: (k[0], list(SWEEPS).index(k[1]), k[2]))}
-    png = os.path.splitext(a.out)[0] + ".png"
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", a.dataset).strip("_")[-32:]
+    png = os.path.splitext(a.out)[0] + (f"_{slug}" if slug else "") + ".png"
     draw(results, png)
-    lines = report(results, a.steps) + ["", f"Figure: {os.path.relpath(png, ROOT)}; {time.perf_counter() - t:.0f} s "
+    lines = [f"### {a.dataset or 'stdlib'}", ""] + report(results, a.steps) + ["", f"Figure: {os.path.relpath(png, ROOT)}; {time.perf_counter() - t:.0f} s "
                                             f"with {a.workers} workers."]
     with open(a.out, "a") as f:
         f.write("\n".join(lines) + "\n")
