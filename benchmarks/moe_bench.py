@@ -1,34 +1,42 @@
 """Mixture of experts against the dense model of the same active size: tokens to loss, step time, balance, EP.
 
-    python benchmarks/moe_bench.py --out benchmarks/results/FILE.md [--steps 150] [--experts 4,8,16] [--workdir DIR]
+    python benchmarks/moe_bench.py --out benchmarks/results/FILE.md [--shape small] [--experts 4,8,16]
+        [--fractions 0.5,0.7] [--jobs 2] [--workdir DIR]
 
-The debug model (configs/debug.toml: dim 128, 4 layers, ffn_dim 384) against MoEs of E experts,
-top-2, each of width 192 (so 2 x 192 = 384 active, the dense width), every block MoE, the default
-balancing (sigmoid scores, bias update 0.01). Every process runs with OMP_NUM_THREADS=1, one at a
-time, and each section prints the command it ran:
+A dense model against MoEs of E experts, top-2, each of half the dense ffn_dim (so 2 experts are the
+dense width), every block MoE, the default balancing (sigmoid scores, bias update 0.01). Every
+process runs with OMP_NUM_THREADS=1, and each section prints the command it ran:
 
-- tokens to loss: one process per run (torchrun --nproc_per_node=1 train_fsdp.py), the same seed
-  and data order, --steps steps each, validation every --val_interval steps; on two corpora: the
-  debug config's (the Python standard library) and prose that is not code (--prose, default
-  Vim's help files, the English manual every Debian Vim install carries). The score is the
-  tokens the MoE needs to reach the dense run's final val_loss, linearly interpolated between
-  its validation points, over the dense run's tokens (goal <= 0.7); "not reached" when its last
-  validation is still above;
+- tokens to loss (--shape): "small" (dim 64, 2 layers, ffn_dim 256, a 1,024-token vocabulary,
+  1,500 steps: about 16 tokens per parameter besides the input embedding) or "debug" (the debug
+  config, 150 steps: 0.23 tokens per parameter besides the input embedding, where a model of more
+  parameters has little to gain). One process per run
+  (torchrun --nproc_per_node=1 train_fsdp.py), the same seed and data order, validation every
+  --val_interval steps, --jobs runs at a time; on two corpora: the debug config's (the Python
+  standard library) and prose that is not code (--prose, default Vim's help files, the English
+  manual every Debian Vim install carries). Each MoE trains the full --steps and also at each of
+  --fractions of them, every run with the whole schedule annealed at its own end, as the dense
+  reference is. The score is the tokens at which these annealed MoE runs reach the dense run's
+  final val_loss (linear between their final losses; "<=" when the shortest run already does)
+  over the dense run's tokens (goal <= 0.7); beside it, the same read off the full MoE run's
+  validation curve (mid-schedule, where the cosine has already taken the LR most of the way down;
+  on the small shape it reads 0.05-0.08 lower than the annealed runs);
 - balance: from the same runs' train records, and from a run of --balance_steps steps with 8
-  experts on the debug corpus, moe_max_load (the busiest expert's tokens over the
+  experts on the debug model and corpus, moe_max_load (the busiest expert's tokens over the
   mean per expert, the largest over the layers): the first step from which its trailing 10-step
   mean stays below 1.3, and its mean over the last 10 steps;
-- step time: benchmarks/bench.py with the dense model and each MoE as variants in one process,
-  their steps in turns (paired ratios), on random tokens;
-- EP: this script as a 4-rank torchrun worker (--ep_worker) at parallel.ep 1, 2, 4 with 8
-  experts: each rank's bytes of the experts (parameters and AdamW state; gradients as parameters) from the local
-  shards, the experts one rank gathers for its compute, and the share of the step's wall time
-  spent inside the all-to-alls (dispatch and combine, forward and backward; torch.profiler's
-  intervals of the collective and its wait, merged), on gloo over CPU.
+- step time (the debug model): benchmarks/bench.py with the dense model and each MoE as variants in
+  one process, their steps in turns (paired ratios), on random tokens;
+- EP (the debug model): this script as a 4-rank torchrun worker (--ep_worker) at parallel.ep 1, 2, 4
+  with 8 experts: each rank's bytes of the experts (parameters and AdamW state; gradients as
+  parameters) from the local shards, the experts one rank gathers for its compute, and the share of
+  the step's wall time spent inside the all-to-alls (dispatch and combine, forward and backward;
+  torch.profiler's intervals of the collective and its wait, merged), on gloo over CPU.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -37,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -47,9 +56,23 @@ PROSE = "/usr/share/vim/vim90/doc/*.txt"
 LOAD_GOAL = 1.3
 
 
-def moe_flags(e: int) -> list[str]:
-    """An MoE of e experts, top-2 of width 192: the debug model's active feed-forward width (384)."""
-    return ["--model.n_experts", str(e), "--model.experts_per_token", "2", "--model.expert_ffn_dim", "192"]
+# The tokens-to-loss shapes: (train flags of the dense model, its ffn_dim, steps, val_interval). "debug" is the
+# debug config as is (1.31M parameters besides the input embedding, 150 steps: 0.23 tokens per parameter, so
+# limited by its steps, not its size). "small" is past that regime: 197k parameters besides the input embedding over 1,500
+# steps (3.1M tokens, about 16 per parameter, one pass over the prose corpus), where more parameters at
+# the same compute can pay.
+SHAPES = {
+    "debug": ([], 384, 150, 10),
+    "small": (["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "4",
+               "--model.ffn_dim", "256", "--model.vocab_size", "1024", "--data.tokenizer_vocab_size", "1024",
+               "--data.max_documents", "0", "--optim.warmup_steps", "100", "--train.val_batches", "16"],
+              256, 1500, 100),
+}
+
+
+def moe_flags(e: int, ffn_dim: int = 384) -> list[str]:
+    """An MoE of e experts, top-2 of width ffn_dim / 2: the dense model's active feed-forward width."""
+    return ["--model.n_experts", str(e), "--model.experts_per_token", "2", "--model.expert_ffn_dim", str(ffn_dim // 2)]
 
 
 def env() -> dict:
@@ -64,15 +87,16 @@ def show(cmd: list[str]) -> str:
 # ---------------------------------------------------------------- tokens to loss
 
 def train(run_dir: str, extra: list[str], data: str | None, log) -> tuple[list[dict], float, str]:
-    """One 1-process training run; (its metrics.jsonl records, wall seconds, the command)."""
+    """One 1-process training run; (its metrics.jsonl records, wall seconds, the command). log: a file or a path."""
     shutil.rmtree(run_dir, ignore_errors=True)
     if data:  # the corpus tokenized once per corpus, for every arm
         shutil.copytree(data, os.path.join(run_dir, "data"))
     cmd = ["torchrun", "--standalone", "--nproc_per_node=1", os.path.join(ROOT, "train_fsdp.py"),
            "--config", DEBUG, "--run_dir", run_dir, *extra]
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], cwd=ROOT, stdout=log,
-                   stderr=subprocess.STDOUT, env=env(), check=True)
+    with (open(log, "w") if isinstance(log, str) else contextlib.nullcontext(log)) as out:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], cwd=ROOT, stdout=out,
+                       stderr=subprocess.STDOUT, env=env(), check=True)
     seconds = time.perf_counter() - start
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
@@ -116,39 +140,93 @@ def balance(tr: dict[int, dict], window: int = 10) -> tuple[int | None, float, f
     return first, statistics.fmean(loads[-window:]), max(loads[-window:])
 
 
-def tokens_section(args, corpora: dict[str, list[str]], log) -> tuple[list[str], dict]:
+def reach_annealed(points: list[tuple[float, float]], target: float) -> tuple[float | None, str]:
+    """The tokens at which runs annealed at their own length first reach target: points [(tokens, final val_loss)]
+    of separate runs, linear between neighbours; (tokens, "") when bracketed, (the smallest tokens, "<=") when the
+    shortest run already reaches it, (None, "") when none does."""
+    points = sorted(points)
+    if points[0][1] <= target:
+        return points[0][0], "<="
+    return tokens_to_reach(points, target), ""
+
+
+def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[list[str], dict]:
+    """Dense against each MoE on each corpus: the MoE's full-length run (its val curve) and runs at --fractions of
+    the steps, each with the whole schedule (warmup, then the cosine to its own end), so that the MoE's loss at
+    fewer tokens is an annealed run's, as the dense reference's is. Runs --jobs at a time."""
+    shape, ffn, _, _ = SHAPES[args.shape]
     lines, results = [], {}
-    base = ["--train.steps", str(args.steps), "--train.val_interval", str(args.val_interval),
-            "--checkpoint.interval", str(args.steps)]
-    for corpus, (title, flags) in corpora.items():
-        data, out, dense_cmd = None, {}, ""
+
+    def flags(e: int, steps: int, val: int) -> list[str]:
+        return [*shape, "--train.steps", str(steps), "--train.val_interval", str(val), "--checkpoint.interval",
+                str(steps), *(moe_flags(e, ffn) if e else [])]
+
+    def one(corpus: str, name: str, extra: list[str], data: str | None):
+        run_dir = os.path.join(args.workdir, f"{corpus}_{name}")
+        records, seconds, cmd = train(run_dir, extra, data, run_dir + ".log")
+        print(f"[moe_bench] {corpus} {name}: final val_loss {curves(records)[1][-1][1]:.4f}, {seconds:.0f} s", flush=True)
+        return records, seconds, cmd
+
+    runs = {}  # (corpus, e, fraction) -> (records, seconds, cmd)
+
+    def collect(pool: ThreadPoolExecutor, futures: dict) -> None:
+        try:
+            for key, fut in futures.items():
+                runs[key] = fut.result()
+        except BaseException:  # a failed run (or Ctrl-C) stops the queue instead of training the rest first
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        # each corpus's dense run tokenizes it; every other run of that corpus copies its data
+        collect(pool, {(c, 0, 1.0): pool.submit(one, c, "dense", [*flags(0, args.steps, args.val_interval), *f], None)
+                       for c, (_, f) in corpora.items()})
+        futures = {}
+        for corpus, (_, cflags) in corpora.items():
+            data = os.path.join(args.workdir, f"{corpus}_dense", "data")
+            for e in args.experts:
+                for frac in [1.0, *args.fractions]:
+                    steps = round(args.steps * frac)
+                    name = f"moe{e}" if frac == 1.0 else f"moe{e}_x{frac:g}"
+                    val = args.val_interval if frac == 1.0 else steps
+                    futures[(corpus, e, frac)] = pool.submit(one, corpus, name, [*flags(e, steps, val), *cflags], data)
+        collect(pool, futures)
+
+    for corpus, (title, _) in corpora.items():
+        out = {}
         for e in [0, *args.experts]:
-            name = "dense" if e == 0 else f"moe{e}"
-            extra = [*base, *flags, *(moe_flags(e) if e else [])]
-            records, seconds, cmd = train(os.path.join(args.workdir, f"{corpus}_{name}"), extra, data, log)
-            data = data or os.path.join(args.workdir, f"{corpus}_{name}", "data")
+            records, seconds, cmd = runs[(corpus, e, 1.0)]
             tr, val = curves(records)
-            out[e] = {"train": tr, "val": val, "seconds": seconds, "cmd": cmd}
-            print(f"[moe_bench] {corpus} {name}: final val_loss {val[-1][1]:.4f}, {seconds:.0f} s", flush=True)
-            dense_cmd = dense_cmd or cmd
+            out[e] = {"train": tr, "val": val, "seconds": seconds, "cmd": cmd,
+                      "fractions": {f: curves(runs[(corpus, e, f)][0])[1][-1] for f in args.fractions} if e else {}}
         dense_tokens, target = out[0]["val"][-1]
-        lines += [f"### {title}", "", "```", dense_cmd, "# each MoE: the same command plus",
-                  " ".join(moe_flags(0)).replace(" 0 ", " E ", 1), "```", "",
-                  "| model | total params | final val_loss | tokens to the dense final val_loss | ratio (goal <= 0.7) "
-                  "| moe_max_load, last 10 steps (mean / max) | load < 1.3 from step | wall s |",
-                  "|---|---|---|---|---|---|---|---|"]
+        fr = ", ".join(f"{f:g}" for f in args.fractions)
+        lines += [f"### {title}", "", "```", out[0]["cmd"], "# each MoE: the same command plus",
+                  " ".join(moe_flags(0, ffn)).replace(" 0 ", " E ", 1),
+                  f"# and the same at {fr}x the steps (--train.steps, with --train.val_interval and "
+                  "--checkpoint.interval at that step)", "```", "",
+                  f"| model | total params | final val_loss | annealed runs at {fr}x the tokens: final val_loss "
+                  "| tokens to the dense final val_loss, annealed runs (goal <= 0.7x) | the same along the full run's "
+                  "curve | moe_max_load, last 10 steps (mean / max) | load < 1.3 from step | wall s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for e, r in out.items():
-            reach = tokens_to_reach(r["val"], target)
-            ratio = reach / dense_tokens if reach is not None else None
             bal = balance(r["train"]) if e else None
-            r.update(reach=reach, ratio=ratio, balance=bal)
+            curve = tokens_to_reach(r["val"], target)
+            annealed, bound = reach_annealed([*r["fractions"].values(), r["val"][-1]], target) if e else (None, "")
+            r.update(reach=curve, ratio=curve / dense_tokens if curve is not None else None,
+                     annealed_ratio=annealed / dense_tokens if annealed is not None else None, bound=bound, balance=bal)
+
+            def ratio(x, b=""):
+                return f"{b}{x:.2f}x" if x is not None else "not reached"
             lines.append(
-                f"| {'dense, ffn_dim 384' if not e else f'{e} experts, top-2 of 192'} | {params(e)} "
-                f"| {r['val'][-1][1]:.4f} | {'-' if not e else (f'{reach:,.0f}' if reach is not None else 'not reached')} "
-                f"| {'1 (the reference)' if not e else (f'{ratio:.2f}x' if ratio is not None else f'> 1 (not reached in {dense_tokens:,.0f})')} "
+                f"| {f'dense, ffn_dim {ffn}' if not e else f'{e} experts, top-2 of {ffn // 2}'} | {params(e, args.shape)} "
+                f"| {r['val'][-1][1]:.4f} | {' / '.join(f'{v[1]:.4f}' for v in r['fractions'].values()) or '-'} "
+                f"| {'1 (the reference)' if not e else ratio(r['annealed_ratio'], bound)} "
+                f"| {'-' if not e else ratio(r['ratio'])} "
                 f"| {'-' if not e else f'{bal[1]:.2f} / {bal[2]:.2f}'} | {'-' if not e else (bal[0] or 'never')} "
                 f"| {r['seconds']:.0f} |")
-        lines += ["", "val_loss at each validation (tokens: dense, " + ", ".join(f"E={e}" for e in args.experts) + "):", "",
+        lines += ["", "val_loss at each validation of the full runs (tokens: dense, "
+                  + ", ".join(f"E={e}" for e in args.experts) + "):", "",
                   "| tokens | " + " | ".join("dense" if not e else f"E={e}" for e in out) + " |",
                   "|---|" + "---|" * len(out)]
         for i, (tokens, _) in enumerate(out[0]["val"]):
@@ -159,11 +237,12 @@ def tokens_section(args, corpora: dict[str, list[str]], log) -> tuple[list[str],
     return lines, results
 
 
-def params(e: int) -> str:
-    """Total and active parameters of the debug model with e experts (0: dense), as model.py counts them."""
+def params(e: int, shape: str = "debug") -> str:
+    """Total and active parameters of the shape's model with e experts (0: dense), as model.py counts them."""
     import config as config_lib
     import model as model_lib
-    cfg = config_lib.parse_config(["--config", DEBUG, *(moe_flags(e) if e else [])])
+    flags, ffn, _, _ = SHAPES[shape]
+    cfg = config_lib.parse_config(["--config", DEBUG, *flags, *(moe_flags(e, ffn) if e else [])])
     total, active = model_lib.num_params(cfg.model), model_lib.num_params(cfg.model, active=True)
     return f"{total / 1e6:.2f}M" + (f" ({active / 1e6:.2f}M active)" if e else "")
 
@@ -174,7 +253,9 @@ def balance_section(args, log) -> tuple[list[str], dict]:
     data = os.path.join(args.workdir, "stdlib_dense", "data")
     extra = ["--train.steps", str(args.balance_steps), "--train.val_interval", str(args.balance_steps),
              "--checkpoint.interval", str(args.balance_steps), *moe_flags(8)]
-    records, seconds, cmd = train(run_dir, extra, data if os.path.isdir(data) else None, log)
+    # this invocation's debug-shape stdlib run tokenized the debug corpus; anything else may hold other settings
+    reuse = "tokens" in args.sections.split(",") and args.shape == "debug" and "stdlib" in args.corpora.split(",")
+    records, seconds, cmd = train(run_dir, extra, data if reuse else None, log)
     tr, val = curves(records)
     first, last_mean, last_max = balance(tr)
     steps = sorted(tr)
@@ -297,9 +378,16 @@ def main(argv=None) -> None:
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results markdown to write")
-    p.add_argument("--steps", type=int, default=150, help="training steps of every tokens-to-loss run")
-    p.add_argument("--val_interval", type=int, default=10)
-    p.add_argument("--experts", default="4,8,16", help="expert counts, comma-separated (each divides 192 * 2 = 384 active)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                   help="the tokens-to-loss model: small (dim 64, 2 layers, 1,500 steps) or debug (the debug config)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of the full tokens-to-loss runs "
+                   "(default: the shape's)")
+    p.add_argument("--val_interval", type=int, default=None, help="default: the shape's")
+    p.add_argument("--fractions", default="0.5,0.7", help="each MoE also trains at these fractions of --steps, "
+                   "annealed at its own end")
+    p.add_argument("--jobs", type=int, default=1, help="tokens-to-loss runs at a time (1 thread each)")
+    p.add_argument("--corpora", default="stdlib,prose", help="tokens-to-loss corpora: stdlib, prose")
+    p.add_argument("--experts", default="4,8,16", help="expert counts, comma-separated")
     p.add_argument("--prose", default=PROSE, help="the second corpus: local prose files (data.dataset)")
     p.add_argument("--time_steps", type=int, default=10, help="timed steps per model in the step-time section")
     p.add_argument("--ep_steps", type=int, default=3, help="timed steps per ep in the EP section")
@@ -308,18 +396,24 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default="/tmp/moe_bench")
     args = p.parse_args(argv)
     args.experts = [int(e) for e in args.experts.split(",")]
+    args.fractions = sorted({float(f) for f in args.fractions.split(",") if f})
+    if not all(0 < f < 1 for f in args.fractions):
+        p.error(f"--fractions {','.join(f'{f:g}' for f in args.fractions)}: each must be in (0, 1); the full run is 1")
+    _, _, steps, val = SHAPES[args.shape]
+    args.steps, args.val_interval = args.steps or steps, args.val_interval or val
     sections = args.sections.split(",")
     os.makedirs(args.workdir, exist_ok=True)
     corpora = {"stdlib": ("stdlib: the Python standard library (the debug corpus)", []),
                "prose": (f"prose: {args.prose}", ["--data.dataset", args.prose])}
+    corpora = {k: v for k, v in corpora.items() if k in args.corpora.split(",")}
     t0 = time.perf_counter()
-    lines = [f"# Mixture of experts against dense at equal active parameters: the debug model, {args.steps} steps",
-             "", f"`python benchmarks/moe_bench.py --steps {args.steps} --out {args.out}` "
-             "(every process OMP_NUM_THREADS=1, one at a time)", ""]
+    lines = [f"# Mixture of experts against dense at equal active parameters: the {args.shape} model, {args.steps} steps",
+             "", f"`python benchmarks/moe_bench.py {shlex.join(argv)}` "
+             f"(every process OMP_NUM_THREADS=1, {args.jobs} tokens-to-loss run(s) at a time)", ""]
     results = {}
     with open(os.path.join(args.workdir, "log.txt"), "w") as log:
         if "tokens" in sections:
-            body, results["tokens"] = tokens_section(args, corpora, log)
+            body, results["tokens"] = tokens_section(args, corpora)
             lines += ["## Tokens to loss, and balance", "", *body]
         if "balance" in sections:
             body, results["balance"] = balance_section(args, log)
