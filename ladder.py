@@ -304,8 +304,8 @@ def runs_cost(rung: Rung) -> int:
 
 
 def measured_rate(rungs: list[Rung]) -> tuple[float, str] | None:
-    """(6 N D FLOP/s, run directory) measured from the median tokens_per_sec of a run of this ladder, or None."""
-    for rung in rungs:
+    """(6 N D FLOP/s, run directory) from the median tokens_per_sec of the largest rung's first run logged, or None."""
+    for rung in sorted(rungs, key=lambda r: r.n_params, reverse=True):
         for run_dir in [rung.trunk, *(r.run_dir for r in rung.runs)]:
             try:
                 with open(RunDir(run_dir).metrics) as f:
@@ -404,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                 label = f"{'check' if r in checks else 'rung'} {r.name}" + \
                     (f" budget {run.budget:g}" if len(r.runs) > 1 else "")
                 run.val_loss = ladder.train(r, run, f"{label} ({r.n_params:,} parameters)")
-                if rate is None and (rate := measured_rate([r])) is not None:
-                    print("[ladder] " + describe(rungs, checks, tokens_per_step, rate)[-1].strip(), flush=True)
+                if (now := measured_rate(rungs + checks)) and now[1] != (rate or (0, ""))[1]:  # small rungs run slower
+                    print("[ladder] " + describe(rungs, checks, tokens_per_step, rate := now)[-1].strip(), flush=True)
         points = [ladder_report.Point(r.name, r.n_params, run.steps * tokens_per_step, run.val_loss, run.run_dir,
                                       run.budget) for r in rungs for run in r.runs]
         measured = [ladder_report.Point(c.name, c.n_params, c.runs[0].steps * tokens_per_step, c.runs[0].val_loss,
