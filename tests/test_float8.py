@@ -292,7 +292,6 @@ logging.getLogger("torchao").warning("another torchao warning")
 
 
 @pytest.mark.slow
-@emulated
 def test_importing_transformers_prints_none_of_torchaos_kernel_or_enum_warnings_and_keeps_the_others():
     """The reference: the same import without quiet_torchao_logs, which prints them (on a build that lacks the
     kernels; where it prints none there is nothing to silence)."""

@@ -1,4 +1,4 @@
-"""Mixture of experts (nn/moe.py): the layer against a per-token reference, the dense model unchanged bit for bit,
+"""Mixture of experts (nn/moe.py): the layer against a per-token reference, the dense model unchanged (against the pre-MoE code),
 both balancing methods against a skewed router, Muon per expert, active parameters, 1 rank vs FSDP 2, and the
 combinations that are refused until they are built."""
 import os
