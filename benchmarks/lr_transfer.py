@@ -17,13 +17,15 @@ table, and a PNG of loss against LR, one curve per size (the mup paper's figure 
 sweeps: completep at its 2-layer proxy's best LR against sp at its best LR per depth (the transfer goal).
 --optimizers, --sweeps and --dataset (data.dataset; default the stdlib corpus) select a part.
 
-    python benchmarks/lr_transfer.py --tune --steps 150 --out FILE.md [--dataset GLOB] [--widths 32,64,128,256]
+    python benchmarks/lr_transfer.py --tune --steps 150 --out FILE.md [--dataset GLOB] [--widths 32,64,128,256] [--seeds 3]
 
---tune (AdamW; 18 minutes on 2 cores for the stdlib): tunes optim.lr and the base multipliers
+--tune (AdamW; 12 minutes on 2 cores for the stdlib with --seeds 3): tunes optim.lr and the base multipliers
 model.mup_output_mult (OUTPUT_MULTS) and model.mup_input_mult (INPUT_MULTS) on the width-32 proxy (one head
 of 32), then trains every wider width at the proxy's settings, tuned and LR only, against sp at its best
 LR of a x2 grid per width (extended until the best is inside it), with head_dim fixed and with n_heads
-fixed (HEADS); it prints the tuned settings as the flags to train with.
+fixed (HEADS); it prints the tuned settings as the flags to train with. --seeds K scores every point by
+the median of K seeds (init and data order), so that one seed's spike near the largest stable LR does not
+decide the tuning or the verdict.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import math
 import multiprocessing
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -85,8 +88,9 @@ def train_point(job: tuple) -> tuple:
     return job, train(model_args(parametrization, axis, size), optim, lr, steps, workdir, dataset)
 
 
-def train(args, optim: str, lr: float, steps: int, workdir: str, dataset: str = "") -> float:
-    """Final validation loss of model.ModelArgs args trained steps steps at lr (inf: diverged)."""
+def train(args, optim: str, lr: float, steps: int, workdir: str, dataset: str = "", seed: int = 0) -> float:
+    """Final validation loss of model.ModelArgs args trained steps steps at lr (inf: diverged); seed draws the
+    initial weights and the order of the training windows (the validation windows are always the same)."""
     import torch
     import torch.nn.functional as F
 
@@ -97,11 +101,11 @@ def train(args, optim: str, lr: float, steps: int, workdir: str, dataset: str = 
     data = corpus(workdir, dataset)
     src = data.sources[0]
     model = Transformer(args)
-    model.init_weights(0)
+    model.init_weights(seed)
     cfg = OptimConfig(name=optim, lr=lr, schedule="wsd", warmup_steps=max(1, steps // 10), decay_fraction=0.2,
                       weight_decay=0.1, grad_clip=1.0)
     opt, sched = build_optimizer(model, cfg, steps, fused=False)
-    order = torch.randperm(src.n_train, generator=torch.Generator().manual_seed(0)).tolist()
+    order = torch.randperm(src.n_train, generator=torch.Generator().manual_seed(seed)).tolist()
     for step in range(steps):
         idx = [order[(step * BATCH + i) % len(order)] for i in range(BATCH)]
         x, y = data.batches([(0, i) for i in idx], BATCH)[0]
@@ -231,18 +235,22 @@ def tune_args(parametrization: str, dim: int, heads: str, input_mult: float = 1.
 
 
 def tune_point(job: tuple) -> tuple:
-    """(job, final val loss) of one (key, tune_args's arguments, lr, steps, workdir, dataset) point."""
-    key, targs, lr, steps, workdir, dataset = job
-    return job, train(tune_args(*targs), "adamw", lr, steps, workdir, dataset)
+    """(job, median final val loss, every seed's) of one (key, tune_args's arguments, lr, steps, workdir, dataset,
+    seeds) point: seeds 0 .. seeds-1. The median, because at 150 steps near the largest stable LR one seed of three
+    can spike by 0.3 .. 0.9 where the others do not (benchmarks/results/cpu-2core_2026-12-05_mup_seeds.md)."""
+    key, targs, lr, steps, workdir, dataset, seeds = job
+    scores = [train(tune_args(*targs), "adamw", lr, steps, workdir, dataset, seed) for seed in range(seeds)]
+    return job, statistics.median(scores), scores
 
 
 def run_round(pool, jobs: list, results: dict, t: float) -> None:
     """Train jobs (largest first) into results[key][lr], skipping points already there."""
     jobs = [j for j in dict.fromkeys(jobs) if j[2] not in results.get(j[0], {})]
     jobs.sort(key=lambda j: -j[1][1])
-    for job, score in pool.imap_unordered(tune_point, jobs):
+    for job, score, scores in pool.imap_unordered(tune_point, jobs):
         results.setdefault(job[0], {})[job[2]] = score
-        print(f"[{time.perf_counter() - t:.0f} s] {job[0]} lr {job[2]:.2g}: {score:.4f}", flush=True)
+        each = f" (seeds: {', '.join(f'{s:.4f}' for s in scores)})" if len(scores) > 1 else ""
+        print(f"[{time.perf_counter() - t:.0f} s] {job[0]} lr {job[2]:.2g}: {score:.4f}{each}", flush=True)
 
 
 def interior(results: dict, keys: list) -> list:
@@ -258,11 +266,12 @@ def interior(results: dict, keys: list) -> list:
     return more
 
 
-def tune(pool, steps: int, workdir: str, dataset: str, t: float) -> tuple[dict, dict]:
+def tune(pool, steps: int, workdir: str, dataset: str, t: float, seeds: int = 1) -> tuple[dict, dict]:
     """Tune (lr, output mult, input mult) on the proxy; train every width at the proxy's settings (tuned, and LR
-    only) and sp on a x2 LR grid per width. Returns (results {key: {lr: loss}}, the tuned settings)."""
+    only) and sp on a x2 LR grid per width; every point's score is the median over seeds. Returns (results
+    {key: {lr: loss}}, the tuned settings)."""
     res: dict = {}
-    job = lambda key, targs, lr: (key, targs, lr, steps, workdir, dataset)  # noqa: E731
+    job = lambda key, targs, lr: (key, targs, lr, steps, workdir, dataset, seeds)  # noqa: E731
     proxy = ("proxy", 1.0, 1.0)
     sp = {(h, w): ("sp", h, w) for h in HEADS for w in TUNE_WIDTHS[1:]}
     # sp's best LR halves per doubling of the width (benchmarks/results/cpu-2core_2026-12-04_lr_transfer.md)
@@ -288,11 +297,12 @@ def tune(pool, steps: int, workdir: str, dataset: str, t: float) -> tuple[dict, 
     return res, tuned
 
 
-def tune_report(res: dict, tuned: dict, steps: int, corpus_name: str) -> list[str]:
+def tune_report(res: dict, tuned: dict, steps: int, corpus_name: str, seeds: int = 1) -> list[str]:
     """Markdown: the proxy's grid, then per head layout the loss per width of sp at its best LR and of mup at the
     proxy's settings (LR only, and tuned), with the goal's verdicts."""
     lr0, lr1, o1, i1 = tuned["lr only"], tuned["optim.lr"], tuned["model.mup_output_mult"], tuned["model.mup_input_mult"]
-    lines = [f"### {corpus_name}: {steps} steps x {BATCH} x {SEQ} tokens, 2 layers, AdamW, base_dim 32", "",
+    each = f"; every loss is the median of {seeds} seeds (init and data order)" if seeds > 1 else ""
+    lines = [f"### {corpus_name}: {steps} steps x {BATCH} x {SEQ} tokens, 2 layers, AdamW, base_dim 32{each}", "",
              "Proxy (width 32, one head of 32; sp and mup are the same model there), final val loss per LR and "
              "base multipliers (output, input):", "",
              "| output mult | input mult | " + " | ".join(f"lr {lr:.2g}" for lr in sorted({lr for k, v in res.items()
@@ -345,6 +355,8 @@ def main() -> None:
     parser.add_argument("--dataset", default="", help="data.dataset (default: the stdlib corpus)")
     parser.add_argument("--optimizers", default="adamw,muon", help="without --tune: the optimizers to sweep")
     parser.add_argument("--sweeps", default=",".join(SWEEPS), help="without --tune: the sweeps, of " + ", ".join(SWEEPS))
+    parser.add_argument("--seeds", type=int, default=1, help="--tune: score every point by the median of this many "
+                        "seeds (3 rules out a single seed's spike)")
     parser.add_argument("--widths", default=",".join(map(str, TUNE_WIDTHS)), help="--tune: the proxy's width (32), "
                         "then the widths it transfers to")
     a = parser.parse_args()
@@ -353,6 +365,8 @@ def main() -> None:
         parser.error(f"--optimizers: a comma list of adamw, muon; got {a.optimizers!r}")
     if not set(sweeps) <= set(SWEEPS) or not sweeps:
         parser.error(f"--sweeps: a comma list of {', '.join(SWEEPS)}; got {a.sweeps!r}")
+    if a.seeds < 1 or (a.seeds > 1 and not a.tune):
+        parser.error(f"--seeds: a count of at least 1, with --tune; got {a.seeds}" + ("" if a.tune else " without --tune"))
     os.makedirs(a.workdir, exist_ok=True)
     from core.errors import UserError
 
@@ -366,8 +380,8 @@ def main() -> None:
             parser.error("--widths: 32 (the proxy) first, then at least two wider")
         t = time.perf_counter()
         with multiprocessing.get_context("spawn").Pool(a.workers) as pool:
-            res, tuned = tune(pool, a.steps, a.workdir, a.dataset, t)
-        lines = tune_report(res, tuned, a.steps, a.dataset or "stdlib") + [f"{time.perf_counter() - t:.0f} s with "
+            res, tuned = tune(pool, a.steps, a.workdir, a.dataset, t, a.seeds)
+        lines = tune_report(res, tuned, a.steps, a.dataset or "stdlib", a.seeds) + [f"{time.perf_counter() - t:.0f} s with "
                                                                           f"{a.workers} workers.", ""]
         with open(a.out, "a") as f:
             f.write("\n".join(lines) + "\n")
