@@ -100,6 +100,10 @@ PRE_GROUP = [
                                       "proxy's width, or drop it"),
     (["--model.parametrization", "mup", "--model.base_dim", "64", "--model.base_head_dim", "48"],
      "model.base_head_dim is the proxy's head_dim: an even number in 2..head_dim (32), or 0 for head_dim itself, got 48"),
+    # 59B parameters: refused before build_model allocates them (it was an allocator traceback or the OOM killer)
+    (["--model.n_experts", "100000", "--model.experts_per_token", "2"],
+     "the model does not fit: its 59.03B parameters need at least 879.7 GiB on a rank for parameters, gradients and "
+     "adamw state (16 bytes each over 1 rank(s) holding distinct shards, before activations), and a rank has "),
 ]
 
 

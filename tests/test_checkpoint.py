@@ -212,6 +212,12 @@ def test_sigkill_at_a_random_step_then_resume_gives_the_uninterrupted_losses(tmp
     assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-6, f"killed after step {kill_step}"
 
 
+def _requeue_reads_a_clean_stop(rc: int, rd) -> bool:
+    """docs/cluster.md's rule, as a requeue loop applies it: a non-zero status with an exit.json naming a signal."""
+    path = rd / "exit.json"
+    return rc != 0 and path.exists() and json.loads(path.read_text())["signal"] is not None
+
+
 @pytest.mark.slow
 def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
     rd = tmp_path / "term"
@@ -221,6 +227,16 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
     assert "SIGTERM: saved step" in (tmp_path / "term.log").read_text()
     saved = ckpt_lib.complete_checkpoints(str(rd / "checkpoints"))
     assert saved and saved[-1][0] == max(r["step"] for r in metrics(rd))
+    assert _requeue_reads_a_clean_stop(1, rd)  # torchrun's status after forwarding the signal
+    # A requeued start refused for bad input (a typo in a value, then in a flag) must not read as that clean stop,
+    # and leaves the run's checkpoints, metrics and config as they were.
+    stop = (rd / "exit.json").read_text()
+    kept = {f: open(f, "rb").read() for f in _files(rd) if not f.endswith("exit.json")}
+    for bad in (("--optim.lr", "-1"), ("--train.stepz", "10")):
+        (rd / "exit.json").write_text(stop)
+        rc = debug_run(2, rd, *COMMON, "--checkpoint.interval", "1000", *bad, check=False).returncode
+        assert rc != 0 and not _requeue_reads_a_clean_stop(rc, rd), bad
+        assert {f: open(f, "rb").read() for f in _files(rd)} == kept
     debug_run(2, rd, *COMMON, "--checkpoint.interval", "1000")
     want, got = losses(reference), losses(rd)
     assert sorted(got) == list(range(1, 11))

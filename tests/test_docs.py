@@ -18,9 +18,11 @@ import re
 import shlex
 import typing
 
+import pytest
 import tomllib
 
-from config import Config
+import model
+from config import Config, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README_MAX_LINES = 220
@@ -393,6 +395,53 @@ def test_readme_keeps_the_ci_commands():
                            ("python -m pytest tests", "python -m pytest tests")):
         assert command in readme, f"README.md lost `{command}`, which .ci/run runs"
         assert in_ci in ci, f".ci/run no longer runs `{command}`: keep README.md in step"
+
+
+def test_readme_gives_the_cpu_install_command_with_the_ci_pin():
+    """A laptop's first command must not fetch the CUDA build: the README names the CPU wheel index, same pin as CI."""
+    pin = re.search(r"torch==([\w.]+)", read(".ci/run")).group(1)
+    for rel in ("README.md", "docs/quickstart.md"):
+        assert f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in read(rel), rel
+
+
+def _installed_closure(name: str, extra: str) -> set[str]:
+    """The distributions that `pip install NAME[EXTRA]` brings, read from this environment's metadata."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, todo = set(), [(name, {extra})]
+    while todo:
+        dist, extras = todo.pop()
+        key = (canonicalize_name(dist), frozenset(extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        for line in metadata.distribution(dist).requires or []:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras | {""}):
+                todo.append((req.name, set(req.extras)))
+    return {n for n, _ in seen}
+
+
+def test_readme_counts_the_packages_of_the_dev_extra():
+    stated = int(re.search(r"\| `dev` \|[^|]*?(\d+) packages", read("README.md")).group(1))
+    actual = len(_installed_closure("llama-pretrain", "dev"))
+    assert abs(stated - actual) <= 0.1 * actual, f"README.md says the dev extra brings {stated} packages; it is {actual}"
+
+
+@pytest.mark.parametrize("journey", ["mixture of experts", "pipeline parallelism"])
+def test_readme_journeys_train_a_model_of_the_debug_models_active_size(journey):
+    """Rows that show a way to train compare with the debug model: the same active parameters (an MoE's router aside)."""
+    row = next(line for line in read("README.md").splitlines() if line.startswith(f"| {journey}"))
+    tokens = shlex.split(row.split("`")[1])
+    overrides = [t for i, t in enumerate(tokens) if t.startswith("--model.") or tokens[i - 1].startswith("--model.")]
+    debug = ["--config", os.path.join(ROOT, "configs", "debug.toml")]
+    shown = model.num_params(parse_config(debug + overrides, "", require_file=True).model, active=True)
+    dense = model.num_params(parse_config(debug, "", require_file=True).model, active=True)
+    assert abs(shown - dense) <= 0.01 * dense, f"the README's {journey} row trains {shown:,} active parameters: " \
+                                               f"the debug model has {dense:,} ({overrides})"
 
 
 def test_commands_name_existing_scripts_and_flags():

@@ -422,7 +422,7 @@ def _killed_after(cfg, rd, nproc, step):
 def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_path):
     cfg = _mixture_toml(tmp_path)
     ref = tmp_path / "ref"
-    torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(ref), *MIXTURE_RUN)
+    console = torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(ref), *MIXTURE_RUN).stdout
     want = losses(ref)
     assert sorted(want) == list(range(1, 9))
     # One run directory, killed twice: on 2 ranks before the stage change (after step 4), resumed on 1 rank across
@@ -444,6 +444,9 @@ def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_pat
     # Per-source validation equals evaluate.py on that source's windows alone (its own loop and windows).
     last = [r for r in metrics(ref) if "val_loss" in r][-1]
     assert last["step"] == 8 and {"val_loss/code", "val_loss/docs"} <= set(last)
+    # The console shows each source's loss beside the mixture's, as metrics.jsonl records them.
+    assert (f"[val] step 8: val_loss {last['val_loss']:.4f} (per source: code {last['val_loss/code']:.4f}, "
+            f"docs {last['val_loss/docs']:.4f})") in console, console[-2000:]
     tokens = [r for r in metrics(ref) if "loss" in r][-1]
     assert tokens["tokens/code"] + tokens["tokens/docs"] == tokens["tokens_seen"]
     for source, key in (("code", "val_loss/code"), ("docs", "val_loss/docs")):

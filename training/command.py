@@ -15,8 +15,9 @@ from checkpoint import complete_checkpoints
 from config import Config, compute_dtype, parse_config, validate
 from core.errors import PeerError, SetupError, UserError, report, require
 from parallel import distributed
+from parallel.memory import check_fits, rank_memory
 from parallel.parallelize import TPPlan, shard_group_note
-from storage.rundir import lock_run_dir
+from storage.rundir import forget_exit_record, lock_run_dir
 from training.loop import exit_status, train
 from training.resume import checkpoint_tokenizer, source_tokenizer
 from training.session import build
@@ -54,6 +55,8 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
         print(note, flush=True)
     device = distributed.resolve_device(cfg.train.device)
     cfg.train.dtype = compute_dtype(cfg.train, device)  # the resolved dtype is what config.toml records
+    check_fits(cfg.model, cfg.optim.name, world_size, cfg.parallel.dp_replicate,
+               *rank_memory(device, distributed.local_world_size(), cfg.parallel.cpu_offload))
     if cfg.train.dtype == "bfloat16" and device.type == "cpu" and not distributed.cpu_has_native_bf16() \
             and int(os.environ.get("RANK", 0)) == 0:
         print("[train] notice: train.dtype bfloat16 on a CPU without native bf16 matmuls (no avx512_bf16 or "
@@ -114,11 +117,13 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
     description: the --help text's head.
     """
     distributed.die_with_agent()  # no orphan worker outlives its torchrun agent
+    cfg = None
     try:
         cfg = parse_config(argv, description, require_file=True)
         check_run(cfg, distributed.world_size(), tp_plan, check_layout)
         return exit_status(run(cfg, tp_plan))
     except PeerError as e:
+        forget_last_exit(cfg, argv)
         report(e)
         # The process group is broken: leave now, before interpreter teardown races gloo's threads
         # into an abort ("terminate called ..."). Everything worth keeping is written and closed.
@@ -126,10 +131,40 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
         sys.stderr.flush()
         os._exit(2)
     except UserError as e:
+        forget_last_exit(cfg, argv)
         report(e)
         return 2
+    except SystemExit as e:  # argparse's own errors exit 2; --help exits 0
+        if e.code:
+            forget_last_exit(cfg, argv)
+        raise
+    except Exception:  # a crash keeps its traceback
+        forget_last_exit(cfg, argv)
+        raise
     except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one inside it
         if int(os.environ.get("RANK", 0)) == 0:
             print("[train] interrupted (Ctrl-C); what was saved before stays; run the same command to resume",
                   file=sys.stderr, flush=True)
         return 130
+
+
+def forget_last_exit(cfg: Config | None, argv: list[str] | None) -> None:
+    """Rank 0 of a start that did not end cleanly removes a previous stop's exit.json (rundir.forget_exit_record).
+
+    The run directory is the parsed config's, or, when the command line itself was refused, the
+    last --run_dir on it (a run_dir set only in the --config file is then unknown: nothing is removed).
+    """
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    if cfg is not None:
+        run_dir = cfg.run_dir
+    else:
+        args, run_dir = list(sys.argv[1:] if argv is None else argv), ""
+        for i, a in enumerate(args):
+            if a == "--run_dir" and i + 1 < len(args):
+                run_dir = args[i + 1]
+            elif a.startswith("--run_dir="):
+                run_dir = a.split("=", 1)[1]
+        if not run_dir:
+            return
+    forget_exit_record(run_dir)

@@ -130,7 +130,10 @@ class Validation:
                 for v in self.sets}  # each source alone
         record = val_record({name: total / count for name, (total, count) in sums.items()}, self.sets)
         self.log.write({"step": step, **record})
-        self.progress.write(f"[val] step {step}: val_loss {record['val_loss']:.4f}")
+        # A mixture's val_loss averages its sources: one noisy source can hide a clean one's, so each is shown.
+        sources = ", ".join(f"{k.split('/', 1)[1]} {x:.4f}" for k, x in record.items() if k.startswith("val_loss/"))
+        self.progress.write(f"[val] step {step}: val_loss {record['val_loss']:.4f}"
+                            + (f" (per source: {sources})" if sources else ""))
 
 
 class Scoring:
