@@ -225,15 +225,17 @@ def newest_checkpoint(root: str) -> str:
     return found[-1][1]
 
 
-def read_model_weights(path: str, state_dict: dict[str, torch.Tensor], no_dist: bool = True) -> None:
+def read_model_weights(path: str, state_dict: dict[str, torch.Tensor], no_dist: bool = True,
+                       model_shapes: dict[str, torch.Size] | None = None) -> None:
     """Fill state_dict (our names -> tensors, plain or DTensor) in place from checkpoint path's model.
 
     Reads only the "app.model.*" entries, whatever world size or layout saved them. no_dist:
     read in this process alone (no process group); False: a collective read, every rank calls.
-    Raises CheckpointError listing missing or mismatched keys (check_compatible), or naming a
-    damaged shard file.
+    model_shapes: the whole model's full shapes, when state_dict holds only some of its tensors
+    (then only those are read). Raises CheckpointError listing missing or mismatched keys
+    (check_compatible, against the whole model), or naming a damaged shard file.
     """
-    check_compatible(path, {k: v.shape for k, v in state_dict.items()})
+    check_compatible(path, model_shapes or {k: v.shape for k, v in state_dict.items()})
     with warnings.catch_warnings():  # DCP warns that it assumes one process, which is the point
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:

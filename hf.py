@@ -47,7 +47,6 @@ from hf_format import (
     IGNORED,
     HFError,
     args_from_hf_config,
-    check_no_bias,
     from_hf_name,
     hf_model_type,
     to_hf_config,
@@ -95,7 +94,7 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
     Tensors are cast to dtype (float32 or bfloat16; the routing bias stays float32) and sharded above
     max_shard_size bytes. The folder is written beside out_dir and renamed into place, so a crash leaves no
     half folder. Raises HFError if out_dir holds files, state has another shape than args, the class cannot
-    express the model (hf_model_type, check_no_bias), or the tokenizer lacks [EOT] or does not fit
+    express the model (hf_model_type), or the tokenizer lacks [EOT] or does not fit
     args.vocab_size; MissingPackageError without safetensors (the hf extra).
     """
     require("safetensors", "hf", "writing a Hugging Face folder")
@@ -109,9 +108,7 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
         bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
         raise HFError("weights do not match the model config: "
                       + "; ".join(f"{k}: {got.get(k)} vs config {want.get(k)}" for k in bad[:6]))
-    kind = hf_model_type(args)
-    if kind == "mixtral":
-        check_no_bias(state)
+    kind = hf_model_type(args, state)
     tok = load_tokenizer(tokenizer_path)
     eot, pad = tok.token_to_id(EOT), tok.token_to_id("[PAD]")
     if tok.get_vocab_size() > args.vocab_size:
@@ -202,13 +199,17 @@ def export_checkpoint(run_dir: str, out_dir: str, checkpoint: str = "", dtype: t
     check_out(out_dir)
     cfg, path, tokenizer = load_run(run_dir, checkpoint)
     try:
-        kind = hf_model_type(cfg.model)
         with torch.device("meta"):
             shapes = Transformer(cfg.model).state_dict()
+        # Whether Mixtral can express a softmax MoE depends on its routing bias as well as its config: read the bias
+        # (a few floats a layer) first, so that one refusal names every reason before the weights are read.
+        bias = {k: torch.empty(v.shape) for k, v in shapes.items()
+                if k.endswith("expert_bias") and cfg.model.moe_score == "softmax"}
+        if bias:
+            read_model_weights(path, bias, model_shapes={k: v.shape for k, v in shapes.items()})
+        hf_model_type(cfg.model, bias)
         state = {k: torch.empty(v.shape) for k, v in shapes.items()}
         read_model_weights(path, state)
-        if kind == "mixtral":
-            check_no_bias(state)
     except HFError as e:
         raise HFError(f"'{run_dir}': {e}") from None
     save_hf(state, cfg.model, tokenizer, out_dir, dtype, max_shard_size)
@@ -352,28 +353,38 @@ def load_hf_into(model: Transformer, folder: str, copy_: Callable[[Tensor, Tenso
 
     model may be whole or sharded (FSDP2/TP/EP DTensors): copy_(param, full) writes a full
     tensor into a parameter, e.g. parallelize.copy_sharded, which keeps only the local shard
-    without communication. Weights are cast to each parameter's dtype; under mup/completep the
-    multipliers are divided out of them (fold's inverse). Raises HFError if the
-    config differs from model.args (see check_args), or a tensor is unknown, has another
-    shape (naming the key) or is missing.
+    without communication. It may also be a pipeline rank's part (parallel/pipeline_stages.prune):
+    then only its own stages' tensors are copied. Weights are cast to each parameter's dtype; under
+    mup/completep the multipliers are divided out of them (fold's inverse). Raises HFError if the
+    config differs from model.args (see check_args), or a tensor is unknown to the whole model, has
+    another shape (naming the key) or is missing, whichever part of the model this rank holds.
     """
     check_args(folder, model.args)
     kind = hf_model_type(model.args)
-    params = {**dict(model.named_parameters()),
-              **{k: v for k, v in model.named_buffers() if k.endswith("expert_bias")}}
+
+    def weights(m: Transformer) -> dict[str, Tensor]:  # what a folder fills: the parameters and the routing bias
+        return {**dict(m.named_parameters()), **{k: v for k, v in m.named_buffers() if k.endswith("expert_bias")}}
+
+    # The folder is checked against the whole model's names and shapes, not this rank's: a pipeline stage lacks the
+    # other stages' weights, which the folder must still hold (and nothing more), as at pp 1.
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in weights(Transformer(model.args)).items()}
+    params = weights(model)
     seen = set()
     for name, tensor in iter_hf_tensors(folder):
-        if name not in params:
+        if name not in want:
             raise HFError(f"'{folder}': tensor for '{name}' has no parameter in the model")
-        if tuple(tensor.shape) != tuple(params[name].shape):
+        if tuple(tensor.shape) != want[name]:
             raise HFError(f"'{folder}': {to_hf_name(name, kind)} has shape {tuple(tensor.shape)}, "
-                          f"the model's {name} has {tuple(params[name].shape)}")
+                          f"the model's {name} has {want[name]}")
+        seen.add(name)
+        if name not in params:  # another pipeline stage's weight
+            continue
         # An HF model has no multipliers: under mup/completep they come back out of the weights, so the
         # model computes the folder's function (and a folded export gets its own weights back).
         tensor = parametrization.fold(model.args, {name: tensor}, inverse=True)[name]
         copy_(params[name], tensor.to(params[name].dtype))
-        seen.add(name)
-    missing = sorted(set(params) - seen)
+    missing = sorted(set(want) - seen)
     if missing:
         raise HFError(f"'{folder}' lacks {len(missing)} weights, e.g. "
                       f"{', '.join(to_hf_name(k, kind) for k in missing[:3])}")
@@ -391,9 +402,11 @@ def tokenizer_path(folder: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python hf.py export ...`; bad input exits with status 2 and a one-line message."""
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # No prefix matching (allow_abbrev): '--dtyp bfloat16' is a misspelling to name, not --dtype to guess.
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face folder (Llama; an MoE as Mixtral or GLM-4.5 MoE)")
+    e = sub.add_parser("export", help="a run's checkpoint -> a Hugging Face folder (Llama; an MoE as Mixtral or GLM-4.5 MoE)",
+                       allow_abbrev=False)
     e.add_argument("--run_dir", required=True, help="training run directory (config.toml, data/, checkpoints/)")
     e.add_argument("--out", required=True, help="folder to create (must not exist or be empty)")
     e.add_argument("--checkpoint", default="",

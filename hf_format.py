@@ -100,12 +100,14 @@ def from_hf_name(name: str, kind: str = "llama") -> tuple[str, int | None]:
                   f"architecture?)")
 
 
-def hf_model_type(args: ModelArgs) -> str:
+def hf_model_type(args: ModelArgs, state: dict[str, Tensor] | None = None) -> str:
     """The architecture (a key of ARCHITECTURES) that computes exactly a model of shape args.
 
     Raises HFError, naming what that class cannot express and the settings that export, for softmax routing
-    with shared experts, dense first layers or raw (not renormalised) weights (Mixtral has none of these), and
-    for sigmoid routing over a single expert (GLM-4.5's router takes the top 2 scores of its group).
+    with shared experts, dense first layers, raw (not renormalised) weights or, when state (our names ->
+    tensors, the routing bias at least) is given, a balancing bias that moved (Mixtral has none of these): every
+    one of them in one refusal, so that the fix of one is not followed by a refusal of the next. Also for sigmoid
+    routing over a single expert (GLM-4.5's router takes the top 2 scores of its group).
     """
     if not args.n_experts:
         return "llama"
@@ -113,10 +115,7 @@ def hf_model_type(args: ModelArgs) -> str:
         bad = [f"model.{k} {getattr(args, k)}" for k in ("n_shared_experts", "moe_first_dense") if getattr(args, k)]
         if not args.moe_renormalize:
             bad.append("model.moe_renormalize false")
-        if bad:
-            raise HFError(f"an export of model.moe_score softmax is a MixtralForCausalLM, which cannot express "
-                          f"{', '.join(bad)}; export a run trained without them, or with --model.moe_score sigmoid "
-                          f"(a Glm4MoeForCausalLM)")
+        _refuse_mixtral(bad, _moved_bias(state or {}))
         return "mixtral"
     if args.n_experts < 2:
         raise HFError("an export of model.moe_score sigmoid is a Glm4MoeForCausalLM, which cannot express "
@@ -124,19 +123,32 @@ def hf_model_type(args: ModelArgs) -> str:
     return "glm4_moe"
 
 
-def check_no_bias(state: dict[str, Tensor]) -> None:
-    """Raise HFError when a softmax MoE's routing bias (the aux-loss-free balancing) is nonzero: Mixtral has none."""
-    moved = [k.split(".")[1] for k, v in state.items() if k.endswith("expert_bias") and bool(v.any())]
-    if moved:
-        raise HFError(f"an export of model.moe_score softmax is a MixtralForCausalLM, which cannot express a routing "
-                      f"bias, and the balancing bias (model.moe_bias_update_rate) moved in layer(s) "
-                      f"{', '.join(moved[:4])}; train with --model.moe_bias_update_rate 0 (balance by "
-                      f"--model.moe_aux_loss), or with --model.moe_score sigmoid (a Glm4MoeForCausalLM)")
+def _moved_bias(state: dict[str, Tensor]) -> list[str]:
+    """The layers (as '3') whose routing bias in state is nonzero."""
+    return [k.split(".")[1] for k, v in state.items() if k.endswith("expert_bias") and bool(v.any())]
+
+
+def _refuse_mixtral(settings: list[str], moved: list[str]) -> None:
+    """Raise one HFError naming every setting (as 'model.moe_first_dense 1') and the moved bias (layers) that
+    MixtralForCausalLM cannot express, with the remedy of each; nothing if both are empty."""
+    if not settings and not moved:
+        return
+    bias = ("a routing bias, and the balancing bias (model.moe_bias_update_rate) moved in layer(s) "
+            f"{', '.join(moved[:4])}") if moved else ""
+    bias_fix = "--model.moe_bias_update_rate 0 (balance by --model.moe_aux_loss)"
+    if settings and moved:
+        what, fix = f"{', '.join(settings)}, or {bias}", f"export a run trained without them and with {bias_fix}"
+    elif settings:
+        what, fix = ", ".join(settings), "export a run trained without them"
+    else:
+        what, fix = bias, f"train with {bias_fix}"
+    raise HFError(f"an export of model.moe_score softmax is a MixtralForCausalLM, which cannot express {what}; {fix}, "
+                  f"or with --model.moe_score sigmoid (a Glm4MoeForCausalLM)")
 
 
 def to_hf_tensors(state: dict[str, Tensor], kind: str) -> Iterator[tuple[str, Tensor]]:
     """(HF name, tensor) of every tensor of state (our names) in architecture kind: a 3-D experts parameter
-    becomes one 2-D tensor per expert; Mixtral's zero routing bias (see check_no_bias) is left out. GLM-4.5
+    becomes one 2-D tensor per expert; Mixtral's zero routing bias (see hf_model_type) is left out. GLM-4.5
     always has shared experts: without ours, its MoE layers get them of width 0 (empty tensors, output 0)."""
     for k, v in state.items():
         if kind == "mixtral" and k.endswith("expert_bias"):

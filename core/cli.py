@@ -33,12 +33,21 @@ from core.errors import ConfigError
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line 'error: ...' on stderr and exits with status 2."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = sys.argv[1:] if args is None else list(args)  # for error(): a subcommand's own flags
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):
             flags = [w for w in message.split(": ", 1)[1].split() if w.startswith("-")]
-            near = [difflib.get_close_matches(f.split("=")[0], self._all_flags(), n=1) for f in flags]
-            hints = [f"'{f}': did you mean '{n[0]}'?" for f, n in zip(flags, near) if n]
-            message += "; " + "; ".join(hints) if hints else ""
+            message += _near_misses(flags, self._all_flags())
+        elif message.startswith("the following arguments are required: "):
+            # A subcommand checks its required flags before its parent names the flags nobody knows, so a misspelt
+            # required flag ('--run-dir') would read as a missing one: name it as the near miss it is.
+            missing = [f for part in message.split(": ", 1)[1].split(", ") for f in part.split("/")]
+            known = self._all_flags()
+            given = [w for w in getattr(self, "_given", []) if w.startswith("--") and w.split("=")[0] not in known]
+            message += _near_misses(given, missing)
         print(f"error: {message}; see --help".replace("\n", "\\n"), file=sys.stderr, flush=True)
         raise SystemExit(2)
 
@@ -50,6 +59,13 @@ class ArgumentParser(argparse.ArgumentParser):
                 for sub in action.choices.values():
                     flags += list(sub._option_string_actions)
         return flags
+
+
+def _near_misses(flags: list[str], known: list[str]) -> str:
+    """"; '--dtyp': did you mean '--dtype'?" for each of flags (as given, '--f=v' too) close to one of known; else ''."""
+    near = [(f, difflib.get_close_matches(f.split("=")[0], known, n=1)) for f in flags]
+    hints = [f"'{f}': did you mean '{n[0]}'?" for f, n in near if n]
+    return "; " + "; ".join(hints) if hints else ""
 
 
 def number(kind: type, ok, rule: str):

@@ -92,6 +92,25 @@ def test_a_bad_config_json_is_named(tmp_path, capsys, hf_folder):
     assert "config.json': UnicodeDecodeError" in refused(generate.main, ["--hf", str(bad)], capsys)
 
 
+@pytest.mark.parametrize("argv, words", [
+    # Before: taken as --dtype bfloat16 (prefix matching), and the export written in bf16.
+    (["--run_dir", "RUN", "--out", "OUT", "--dtyp", "bfloat16"],
+     "unrecognized arguments: --dtyp bfloat16; '--dtyp': did you mean '--dtype'?"),
+    (["--run_dir", "RUN", "--out", "OUT", "--max_shard=2GB"],
+     "unrecognized arguments: --max_shard=2GB; '--max_shard=2GB': did you mean '--max_shard_size'?"),
+    # Before: only "required: --run_dir": the subcommand checks its required flags before the typo is named.
+    (["--run-dir", "RUN", "--out", "OUT"],
+     "the following arguments are required: --run_dir; '--run-dir': did you mean '--run_dir'?"),
+], ids=["abbreviated", "abbreviated_with_value", "misspelt_required"])
+def test_export_takes_no_abbreviated_flag_and_names_a_near_miss(tmp_path, capsys, argv, words):
+    """A flag is its whole name: a prefix or a near miss is one line that names the flag meant, before anything is
+    read or written."""
+    paths = {"RUN": str(tmp_path / "run"), "OUT": str(tmp_path / "out")}
+    line = refused(hf.main, ["export", *(paths.get(w, w) for w in argv)], capsys)
+    assert line == f"error: {words}; see --help", line
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_export_refuses_an_existing_file_or_folder_and_leaves_it(tmp_path, tmp_path_factory, capsys):
     run = debug_run_dir(tmp_path_factory)

@@ -16,6 +16,7 @@ import hf
 from config import parse_config
 from data_pipeline import tokenizer
 from debug_export import debug_run_dir, exported_dir
+from hf_format import from_hf_name, hf_model_type
 from launch import DEBUG, ROOT, before_any_collective, debug_run, losses, metrics, prepared_data_dir, torchrun
 from model import PRESETS, ModelArgs, Transformer
 from models import random_model
@@ -178,21 +179,46 @@ def test_moe_folders_written_by_transformers_import_with_their_logits(tmp_path, 
     ({"bias": True}, "which cannot express a routing bias, and the balancing bias (model.moe_bias_update_rate) moved "
                      "in layer(s) 0, 1; train with --model.moe_bias_update_rate 0 (balance by --model.moe_aux_loss), "
                      "or with --model.moe_score sigmoid"),
-], ids=["shared", "first_dense", "raw_weights", "bias"])
+    # Before: only the settings were named, and the export refused again for the bias once they were fixed.
+    ({"n_shared_experts": 1, "moe_renormalize": False, "bias": True},
+     "which cannot express model.n_shared_experts 1, model.moe_renormalize false, or a routing bias, and the "
+     "balancing bias (model.moe_bias_update_rate) moved in layer(s) 0, 1; export a run trained without them and "
+     "with --model.moe_bias_update_rate 0 (balance by --model.moe_aux_loss), or with --model.moe_score sigmoid "
+     "(a Glm4MoeForCausalLM)"),
+], ids=["shared", "first_dense", "raw_weights", "bias", "every_reason"])
 def test_what_mixtral_cannot_express_is_refused_at_export(tmp_path, tok_path, shape, words):
-    """Softmax routing exports as Mixtral only where Mixtral computes it exactly; otherwise one line, nothing written."""
+    """Softmax routing exports as Mixtral only where Mixtral computes it exactly; otherwise one line that names
+    every reason, nothing written: from the weights (save_hf) and from a run's checkpoint (hf.py export)."""
+    import torch.distributed.checkpoint as dcp
+
+    from core.cli import to_toml
+
+    shape = dict(shape)
     bias = shape.pop("bias", False)
-    args = ModelArgs(**{**GQA, **MOE, "moe_score": "softmax", **shape})
-    state = Transformer(args).state_dict()
+    cfg = parse_config(["--config", DEBUG])
+    cfg.model = ModelArgs(**{**GQA, **MOE, "moe_score": "softmax", **shape})
+    cfg.data.seq_len = cfg.model.max_seq_len
+    state = Transformer(cfg.model).state_dict()
     if bias:
         for k in state:
             if k.endswith("expert_bias"):
                 state[k] = torch.full_like(state[k], 0.01)
     with pytest.raises(hf.HFError) as e:
-        hf.save_hf(state, args, tok_path, str(tmp_path / "out"))
+        hf.save_hf(state, cfg.model, tok_path, str(tmp_path / "out"))
     assert str(e.value).startswith("an export of model.moe_score softmax is a MixtralForCausalLM, ") and words in str(
         e.value), str(e.value)
     assert os.listdir(tmp_path) == []
+
+    run = tmp_path / "run"  # a run of that model: its config, tokenizer and a checkpoint of those weights
+    (run / "data").mkdir(parents=True)
+    (run / "config.toml").write_text(to_toml(cfg))
+    shutil.copyfile(tok_path, run / "data" / "tokenizer.json")
+    dcp.save({"app": {"model": state}}, checkpoint_id=str(run / "ckpt"), no_dist=True)
+    with pytest.raises(hf.HFError) as e:
+        hf.export_checkpoint(str(run), str(tmp_path / "out"), str(run / "ckpt"))
+    assert str(e.value).startswith(f"'{run}': an export of model.moe_score softmax is a MixtralForCausalLM, ") and \
+        words in str(e.value), str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["run"]
 
 
 def test_init_from_hf_of_another_model_names_the_flags_and_they_fit(tmp_path, tok_path, monkeypatch, capsys):
@@ -284,6 +310,46 @@ def test_import_then_export_is_the_identity(tmp_path, tok_path):
     assert c1.rope_parameters["rope_theta"] == c2.rope_parameters["rope_theta"] == args.rope_theta
 
 
+@pytest.mark.parametrize("shape, extra", [(GQA, "model.layers.2.input_layernorm.weight"),
+                                          (MOE_SHAPES["glm4_moe"][1], "model.layers.0.mlp.gate.weight")],
+                         ids=["dense", "moe"])
+def test_each_pipeline_stage_imports_its_part_and_the_folder_is_checked_whole(tmp_path, tok_path, shape, extra):
+    """load_hf_into on one pipeline stage's part of the model (prune, as at pp 2) fills it with the weights the whole
+    model gets (before: the first stage refused the folder, "tensor for 'output.weight' has no parameter"). A folder
+    that lacks another stage's weight, or holds one the whole model lacks (a third layer; a router for the dense
+    layer 0), is still refused on every stage."""
+    from safetensors.torch import save_file
+
+    from parallel.pipeline_stages import prune
+
+    args = ModelArgs(**shape)
+    folder = str(tmp_path / "out")
+    hf.save_hf(random_model(args).state_dict(), args, tok_path, folder)
+    whole = Transformer(args)
+    hf.load_hf_into(whole, folder)
+    want = whole.state_dict()
+    tensors = hf_tensors(folder)
+    bad = {}
+    for name, changed in (("lacks", {k: v for k, v in tensors.items() if k != "model.norm.weight"}),
+                          ("extra", {**tensors, extra: torch.zeros(args.dim if "norm" in extra else
+                                                                   (args.n_experts, args.dim))})):
+        bad[name] = shutil.copytree(folder, tmp_path / name)
+        save_file(changed, os.path.join(bad[name], "model.safetensors"), metadata={"format": "pt"})
+    for stage in range(2):
+        part = Transformer(args)
+        prune(part, [stage], 2)
+        hf.load_hf_into(part, folder)
+        got = part.state_dict()
+        assert got and set(got) < set(want)
+        for k, v in got.items():
+            assert torch.equal(v, want[k]), (stage, k)
+        with pytest.raises(hf.HFError, match=r"lacks 1 weights, e\.g\. model\.norm\.weight$"):
+            hf.load_hf_into(part, str(bad["lacks"]))
+        with pytest.raises(hf.HFError, match=f"tensor for '{from_hf_name(extra, hf_model_type(args))[0]}' has no "
+                                             "parameter in the model"):
+            hf.load_hf_into(part, str(bad["extra"]))
+
+
 @pytest.mark.slow
 def test_checkpoint_export_and_sharded_export_match_our_model(tmp_path_factory, tmp_path):
     run = debug_run_dir(tmp_path_factory)
@@ -303,7 +369,9 @@ def test_checkpoint_export_and_sharded_export_match_our_model(tmp_path_factory, 
 
 @pytest.mark.slow
 def test_import_into_a_sharded_training_session(tmp_path_factory, tmp_path):
-    """The init_from_hf wiring: build the FSDP session, load_hf_into with copy_sharded, train from it."""
+    """The init_from_hf wiring: build the FSDP session, load_hf_into with copy_sharded, train from it. The trainer
+    started from the export at pp 2 and at pp 2 x tp 2 (train_2d.py), each stage loading its own part, takes its
+    first step from the loss transformers computes on that batch."""
     folder = exported_dir(tmp_path_factory)
     prepared_data_dir(tmp_path / "run")
     out = tmp_path / "worker.pt"
@@ -316,6 +384,13 @@ def test_import_into_a_sharded_training_session(tmp_path_factory, tmp_path):
         logits = load_hf(folder)(res["inputs"]).logits
     loss = F.cross_entropy(logits.flatten(0, 1), res["labels"].flatten()).item()
     assert abs(res["loss"] - loss) < 1e-5
+    # The trainer's step 1 runs the same first global batch (same seed and corpus) through the pipeline.
+    for n, script, more in ((2, "train_fsdp.py", []), (4, "train_2d.py", ["--parallel.tp", "2"])):
+        rd = tmp_path / f"pp2-{n}-ranks"
+        prepared_data_dir(rd)
+        debug_run(n, rd, "--parallel.pp", "2", *more, "--init_from_hf", folder, "--train.steps", "1",
+                  "--train.val_interval", "0", "--checkpoint.interval", "1000", script=script, timeout=300)
+        assert losses(rd)[1] == pytest.approx(loss, rel=1e-5, abs=0), script
 
 
 # Softmax routing that Mixtral computes: no balancing bias (the remedy hf.py prints: --model.moe_bias_update_rate 0),
