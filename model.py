@@ -130,8 +130,9 @@ class ModelArgs:
             default = ModelArgs.__dataclass_fields__
             moe = [f for f in MOE_FIELDS if getattr(self, f) != default[f].default]
             if moe:
-                raise ValueError(f"{', '.join('model.' + f for f in moe)} apply only to a mixture of experts; set "
-                                 f"--model.n_experts (and --model.experts_per_token), or drop them")
+                raise ValueError(f"{', '.join('model.' + f for f in moe)} {'applies' if len(moe) == 1 else 'apply'} "
+                                 f"only to a mixture of experts; set --model.n_experts (and "
+                                 f"--model.experts_per_token), or drop them")
             return
         if not 1 <= self.experts_per_token <= self.n_experts:
             raise ValueError(f"model.experts_per_token must be in 1..model.n_experts ({self.n_experts}), got "

@@ -165,11 +165,20 @@ _PEER_SIGNS = {
 
 
 def peer_failure(e: BaseException) -> str:
-    """What a collective's error says a peer rank did ('stopped answering', ...), or '' for any other error."""
-    if isinstance(e, RuntimeError):  # torch.distributed.DistError is one too
-        for sign, what in _PEER_SIGNS.items():
-            if sign in str(e):
-                return what
+    """What a collective's error says a peer rank did ('stopped answering', ...), or '' for any other error.
+
+    The error may be the cause of e: torch.distributed.pipelining wraps a stage's failed forward or backward (an FSDP
+    all-gather, a gradient reduction inside it) in a RuntimeError of its own ('[Stage 0] failed to run forward')
+    raised from the collective's.
+    """
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RuntimeError):  # torch.distributed.DistError is one too
+            for sign, what in _PEER_SIGNS.items():
+                if sign in str(e):
+                    return what
+        e = e.__cause__
     return ""
 
 

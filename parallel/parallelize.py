@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput, parallelize_module
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from core.errors import ConfigError, SetupError
 from model import ModelArgs, Transformer
@@ -258,6 +258,21 @@ def selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+PROFILER_OPS = (torch.ops.profiler._record_function_enter.default,
+                torch.ops.profiler._record_function_enter_new.default,
+                torch.ops.profiler._record_function_exit.default,
+                torch.ops.profiler._record_function_exit._RecordFunction)
+"""The profiler's annotation ops (record_function), which selective checkpointing must not count.
+
+Selective checkpointing numbers every op of a block's forward and fails the recompute when an op
+runs more often than it did then, whatever the policy returns for it. Under expert parallelism
+the experts have their own fully_shard group, whose hooks run inside the block's checkpointed
+region; in the recompute no forward is in progress, so that group takes itself for the forward's
+root and adds an FSDP::root_pre_forward annotation the forward did not make (torchtitan's
+DeepSeek-V3 hit the same, pytorch/torchtitan#3427). Annotations compute nothing, so leaving them
+out of the count (as torch.utils.checkpoint already leaves out detach) changes no number."""
+
+
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dtype: str = "float32",
                 activation_checkpointing: str = "none", compile: bool = False, tp_plan: TPPlan | None = None,
                 float8_recipe: str = "off") -> None:
@@ -294,6 +309,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, *, dt
         if activation_checkpointing == "full":
             activation_checkpoint(block)
         elif activation_checkpointing == "selective":
+            SAC_IGNORED_OPS.update(PROFILER_OPS)
             activation_checkpoint(block, context_fn=functools.partial(create_selective_checkpoint_contexts,
                                                                       selective_policy))
         if compile:

@@ -32,6 +32,7 @@ from launch import (
 from model import ModelArgs, Transformer, flops_per_token, num_params
 from nn.moe import MoE
 from optimization.muon import MuonAdamW
+from parallel import distributed
 from test_muon import newton_schulz_reference
 from test_parametrization import LEGACY, LEGACY_FLAGS
 from training.step import MoEStats
@@ -233,8 +234,14 @@ def test_muon_orthogonalises_each_expert_on_its_own():
 
 # ---------------------------------------------------------------- refusals, before any collective
 
+TOP_1 = ["--model.experts_per_token", "1", "--model.moe_renormalize", "false"]
+"""Top-1 routing that trains its router (test_top_1_routing_with_renormalised_weights_is_refused...)."""
+TOP_1_REFUSAL = ("error: model.experts_per_token 1 with model.moe_renormalize true weights each token's one expert by 1 "
+                 "whatever the router scores, so the router gets no gradient and never learns; pass "
+                 "--model.moe_renormalize false")
+
 @pytest.mark.parametrize("argv, msg", [
-    (["--model.experts_per_token", "2"], "model.experts_per_token apply only to a mixture of experts"),
+    (["--model.experts_per_token", "2"], "model.experts_per_token applies only to a mixture of experts"),
     (["--model.moe_score", "softmax", "--model.moe_aux_loss", "0.01"],
      "model.moe_score, model.moe_aux_loss apply only to a mixture of experts"),
     (["--model.n_experts", "4", "--model.experts_per_token", "5"],
@@ -246,7 +253,8 @@ def test_muon_orthogonalises_each_expert_on_its_own():
     ([*MOE, "--train.float8", "tensorwise"], "does not run with train.float8 tensorwise yet"),
     (["--parallel.ep", "2"], "parallel.ep 2 splits the experts of a mixture of experts, and model.n_experts is 0 "
                              "(dense); set --model.n_experts (a multiple of 2) or use parallel.ep 1"),
-    (["--model.n_experts", "3", "--model.experts_per_token", "1", "--parallel.ep", "2"],
+    (["--model.n_experts", "4", "--model.experts_per_token", "1"], TOP_1_REFUSAL),
+    (["--model.n_experts", "3", *TOP_1, "--parallel.ep", "2"],
      "parallel.ep (2) does not divide model.n_experts (3): each EP rank holds whole experts, as many as the others; "
      "use parallel.ep in [1]"),  # 3 divides the experts but not the 2 ranks
     ([*MOE, "--parallel.ep", "4"], "parallel.ep (4) does not divide the 2 data-parallel shard rank(s) (world size 2 "
@@ -265,8 +273,8 @@ def test_bad_moe_settings_are_refused_in_one_line(tmp_path, monkeypatch, capsys,
 
 
 @pytest.mark.parametrize("world, argv", [
-    (2, ["--model.n_experts", "3", "--model.experts_per_token", "1", "--parallel.ep", "2"]),
-    (4, ["--model.n_experts", "6", "--model.experts_per_token", "1", "--parallel.ep", "4"]),
+    (2, ["--model.n_experts", "3", *TOP_1, "--parallel.ep", "2"]),
+    (4, ["--model.n_experts", "6", *TOP_1, "--parallel.ep", "4"]),
     (2, [*MOE, "--parallel.ep", "4"]),
 ])
 def test_every_expert_parallel_size_offered_is_accepted_as_printed(tmp_path, monkeypatch, capsys, world, argv):
@@ -296,8 +304,96 @@ def test_moe_option_remedies_are_accepted_as_printed(tmp_path, monkeypatch):
     base = ["--config", DEBUG, "--run_dir", str(tmp_path / "ep"), "--parallel.ep", "2"]
     with pytest.raises(SetupError, match=r"set --model.n_experts \(a multiple of 2\) or use parallel.ep 1"):
         check_run(parse_config(base), 2)
-    check_run(parse_config([*base, "--model.n_experts", "2", "--model.experts_per_token", "1"]), 2)
+    check_run(parse_config([*base, "--model.n_experts", "2", *TOP_1]), 2)
     check_run(parse_config([*base, "--parallel.ep", "1"]), 2)
+
+
+def router_share(renormalize: bool) -> float:
+    """|router gradient| / |experts' gradient| of a top-1 MoE under a loss of its output (the router's only
+    gradient: no balance or z-loss), as a fraction: how much the language-model loss trains the router."""
+    moe = tiny_moe("softmax", renormalize=renormalize)
+    moe.top_k = 1
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (moe(x) * torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))).sum().backward()
+    experts = torch.cat([p.grad.flatten() for p in moe.experts.parameters()])
+    return (moe.router.weight.grad.norm() / experts.norm()).item()
+
+
+def test_top_1_routing_with_renormalised_weights_is_refused_and_the_printed_fix_trains_the_router(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    """Top-1 with renormalised weights: each token's weight is s / s = 1, so the router gets no gradient from the
+    loss (the run's router moved 1e-6 where the other matrices moved 1e-3). Refused before any collective; the
+    printed fix (raw weights, Switch's top-1) gives the router a gradient of the experts' order, and passes."""
+    assert router_share(renormalize=True) < 1e-12  # the reason: nothing but rounding reaches the router
+    assert router_share(renormalize=False) > 1e-2  # the fix: the router learns with the experts
+    base = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--model.n_experts", "4",
+            "--model.experts_per_token", "1"]
+    with before_any_collective(monkeypatch, 2):
+        line = refused(train_fsdp.main, base, capsys)
+        assert line.startswith(TOP_1_REFUSAL), line
+        with pytest.raises(AssertionError, match="a collective started"):  # every check passed
+            train_fsdp.main([*base, "--model.moe_renormalize", "false"])
+        with pytest.raises(AssertionError, match="a collective started"):  # top-2 renormalised: the router learns
+            train_fsdp.main([*base[:-1], "2"])
+
+
+SOFTMAX = [*MOE, "--model.moe_score", "softmax"]
+SOFTMAX_NOTICE = ("[train] notice: hf.py export will refuse this model: a MixtralForCausalLM (softmax routing) has no "
+                  "routing bias, and the balancing bias (model.moe_bias_update_rate 0.01) moves from the first step; "
+                  "to keep the run exportable, pass --model.moe_bias_update_rate 0")
+"""Softmax routing with the default balancing bias, and the start's notice for it: hf.py export refuses the run once
+the bias moved (Mixtral has no routing bias), hours later."""
+
+
+def test_the_export_notice_names_the_refusal_and_its_printed_fix_keeps_the_model_exportable():
+    """The notice for softmax with the default bias; the printed flag gives a model the export takes, and no notice.
+    An exportable MoE (sigmoid, the default) and a dense model get none."""
+    import hf_format
+    from config import parse_config
+    from training.loop import export_notice
+
+    def model(*flags):
+        return parse_config(["--config", DEBUG, *flags]).model
+
+    assert export_notice(model(*SOFTMAX)).startswith(SOFTMAX_NOTICE)
+    fixed = model(*SOFTMAX, "--model.moe_bias_update_rate", "0")  # the printed fix
+    assert export_notice(fixed) == "" and hf_format.hf_model_type(fixed) == "mixtral"
+    assert export_notice(model(*MOE)) == export_notice(model()) == ""  # sigmoid (a Glm4MoeForCausalLM); dense
+    # Shape and bias refused both: one line names both, so that one fix is not followed by a second refusal.
+    both = export_notice(model(*SOFTMAX, "--model.n_shared_experts", "1"))
+    assert "cannot express model.n_shared_experts 1" in both and "pass --model.moe_bias_update_rate 0" in both, both
+
+
+@pytest.mark.slow
+def test_the_start_of_a_softmax_run_with_the_default_bias_says_the_export_will_refuse_it(tmp_path, monkeypatch, capsys):
+    """The notice reaches the console at the start, under the start line, before the first step."""
+    rd = tmp_path / "run"
+    prepared_data_dir(rd)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
+    capsys.readouterr()
+    assert train_fsdp.main(["--config", DEBUG, "--run_dir", str(rd), *SOFTMAX, "--model.n_layers", "1",
+                            "--train.steps", "1", "--train.val_interval", "0", "--checkpoint.interval", "1000"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = [i for i, line in enumerate(out) if line.startswith(SOFTMAX_NOTICE)]
+    start = next(i for i, line in enumerate(out) if line.startswith("[train] mesh"))
+    first_step = next(i for i, line in enumerate(out) if line.startswith("step 1/1"))
+    assert len(at) == 1 and start < at[0] < first_step, out
+
+
+def test_expert_parallelism_with_selective_checkpointing_and_compile_together_is_refused(tmp_path, monkeypatch, capsys):
+    """The one activation-checkpointing combination under EP that does not run (its replay fails at the first
+    backward): refused before any collective, and either printed way passes every check."""
+    base = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), *MOE, *EP2, "--train.activation_checkpointing",
+            "selective", "--train.compile", "true"]
+    with before_any_collective(monkeypatch, 2):
+        line = refused(train_fsdp.main, base, capsys)
+        assert line == ("error: parallel.ep 2 does not run with train.activation_checkpointing selective and "
+                        "train.compile true together yet (docs/moe.md); use train.activation_checkpointing full, or "
+                        "train.compile false"), line
+        for fix in (["--train.activation_checkpointing", "full"], ["--train.compile", "false"]):
+            with pytest.raises(AssertionError, match="a collective started"):
+                train_fsdp.main([*base, *fix])
 
 
 def test_expert_parallelism_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
@@ -387,14 +483,17 @@ MOE_LAYOUTS = {
     "fsdp2-ac": (2, 1, [], ["--train.activation_checkpointing", "full"]),
     "muon": (2, 1, MUON, MUON),
     "ep2": (2, 1, [], EP2),
+    "ep2-ac-full": (2, 1, [], [*EP2, "--train.activation_checkpointing", "full"]),
+    "ep2-ac-selective": (2, 1, [], [*EP2, "--train.activation_checkpointing", "selective"]),
     "dp1tp2": (2, 2, [], []),
     "cp2": (2, 1, [], ["--parallel.cp", "2"]),
     "fsdp4-ep2-muon": (4, 1, MUON, [*MUON, *EP2]),
     "hsdp2-ep2": (4, 1, [], [*EP2, "--parallel.dp_replicate", "2"]),
 }
 """id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2 plain, with recomputed activations,
-with Muon; expert parallelism over 2 ranks; tensor parallelism (train_2d.py's plan); context parallelism; and
-experts both split over EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP with EP inside a replica."""
+with Muon; expert parallelism over 2 ranks, with each activation checkpointing (none, full, selective: the experts'
+own fully_shard group runs its hooks inside the recomputed block); tensor parallelism (train_2d.py's plan); context
+parallelism; and experts both split over EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP with EP inside a replica."""
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from launch import (
     wait_for_step,
 )
 from model import ModelArgs, Transformer
+from parallel import distributed
 from parallel.compose import pipeline_notice
 from parallel.parallelize import ParallelConfig
 from parallel.pipeline import default_microbatches
@@ -77,6 +78,8 @@ def test_stages_run_in_turn_across_ranks_give_the_whole_models_logits(schedule, 
 
 PP_LAYOUTS = {
     "pp2-1f1b": (2, 1, ["--parallel.pp", "2"]),
+    # Against the 1-process run without it: the zero-bubble schedules refuse activation checkpointing, 1F1B keeps it.
+    "pp2-1f1b-selective-ac": (2, 1, ["--parallel.pp", "2", "--train.activation_checkpointing", "selective"]),
     "pp2-gpipe": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "GPipe", "--parallel.pp_microbatches", "4"]),
     "pp2-interleaved": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-looped-bfs": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "LoopedBFS"]),
@@ -93,8 +96,8 @@ PP_LAYOUTS = {
     "pp2-ep2-interleaved-moe": (4, 1, ["--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_schedule",
                                        "Interleaved1F1B"]),
 }
-"""id: (ranks, tp, flags): 1F1B and GPipe over 2 stages; 2 stages per rank (Interleaved1F1B, LoopedBFS and the
-zero-bubble schedules: 4 stages of one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
+"""id: (ranks, tp, flags): 1F1B (also with selective activation checkpointing) and GPipe over 2 stages; 2 stages
+per rank (Interleaved1F1B, LoopedBFS and the zero-bubble schedules: 4 stages of one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
 named "-docmask", "-muon" or "-moe" and its 1-rank reference both run with model.document_mask, optim.name muon
 or a mixture of experts (4 experts top-2, aux loss and bias update, layer 0 dense: a stage without MoE) (SHARED)."""
 SHARED = {"docmask": ["--model.document_mask", "true"], "muon": ["--optim.name", "muon"],
@@ -148,6 +151,33 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
         return {r["step"]: r["val_loss"] for r in metrics(d) if "val_loss" in r}
     assert vals(rd).keys() == vals(ref).keys() == {3, 6}
     assert vals(rd) == pytest.approx(vals(ref), rel=1e-5)  # step 3 validated through the pipeline (x TP)
+
+
+class _DeadPeer(torch.autograd.Function):
+    """The identity whose backward fails as a gloo reduction with a killed peer does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41644: "
+                           "Connection reset by peer")
+
+
+def test_a_peer_failure_inside_a_pipeline_stage_is_named_as_one():
+    # Killed under pp 2 x dp 2, the survivors' FSDP collectives inside a stage's forward or backward failed, and
+    # torch's stage wrapped the error ("[Stage 0] failed to run forward"; in stage_backward, "Failed to run stage
+    # backward"): training/command.py did not see the peer in it and let the raw traceback through.
+    from torch.distributed.pipelining._backward import stage_backward
+
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError) as wrapped:
+        stage_backward(_DeadPeer.apply(x), torch.ones(3), [x])
+    assert "Connection reset by peer" not in str(wrapped.value)  # only its cause says it
+    assert distributed.peer_failure(wrapped.value) == "closed its connection (it died or was killed)"
+    assert distributed.peer_failure(RuntimeError("Failed to run stage backward")) == ""
 
 
 @pytest.mark.parametrize("world, argv, msg", [
@@ -233,6 +263,58 @@ def test_pipeline_with_batch_stages_is_refused_before_it_aborts_at_the_first_lar
                                          "--parallel.pp", "2", *MHA], capsys)
     assert "parallel.pp 2 does not run with [[train.batch_stages]] yet (docs/pipeline.md)" in line, line
     assert not os.path.exists(tmp_path / "run")
+
+
+SECOND_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""The schedules that crashed, launched, at the first backward with activation checkpointing full or selective
+(AttributeError: '_GeneratorContextManager' object has no attribute 'args') and with train.compile ("compiled with
+non-empty donated buffers"): their weight-gradient pass is a second backward. The others trained with each."""
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", *SECOND_BACKWARD])
+def test_zero_bubble_schedules_refuse_checkpointing_and_compile_in_one_line_and_the_others_take_them(
+        tmp_path, monkeypatch, capsys, schedule):
+    # 5 micro-batches of 10 sequences where the schedule takes them: Interleaved1F1B, a remedy for the V-shaped
+    # schedules, would refuse them (rounds of 2).
+    base = ["--config", DEBUG, "--parallel.pp", "2", "--parallel.pp_schedule", schedule, "--train.global_batch_size",
+            "10", "--parallel.pp_microbatches", "2" if "Interleaved" in schedule else "5"]
+    for ac in ("none", "full", "selective"):
+        for compile in ("false", "true"):
+            run_dir = tmp_path / f"{ac}-{compile}"
+            argv = [*base, "--run_dir", str(run_dir), "--train.activation_checkpointing", ac, "--train.compile",
+                    compile]
+            with before_any_collective(monkeypatch, 2):
+                if schedule not in SECOND_BACKWARD or (ac, compile) == ("none", "false"):
+                    with pytest.raises(AssertionError, match="a collective started"):  # every check passed
+                        train_fsdp.main(argv)
+                    continue
+                line = refused(train_fsdp.main, argv, capsys)
+                on = [f for f, off in (("train.activation_checkpointing", ac == "none"),
+                                       ("train.compile", compile == "false")) if not off]
+                assert line.startswith(f"error: parallel.pp_schedule {schedule} does not run with {', '.join(on)} "
+                                       f"yet"), line
+                if (schedule, ac, compile) == ("ZBVZeroBubble", "full", "false"):  # the issue's command, whole
+                    assert line == ("error: parallel.pp_schedule ZBVZeroBubble does not run with "
+                                    "train.activation_checkpointing yet: its weight-gradient pass is a second backward "
+                                    "through each micro-batch, which the recompute cannot run (docs/pipeline.md); use "
+                                    "train.activation_checkpointing none, or parallel.pp_schedule 1F1B"), line
+                assert not os.path.exists(run_dir)
+                # Each remedy as printed passes every check: the settings off, or the other schedule.
+                settings, schedule_fix = re.search(r"; use (.+), or (parallel\.pp_schedule .+)$", line).groups()
+                for fix in (settings.split(" and "), schedule_fix.split(" and ")):
+                    flags = [w for f in fix for w in ("--" + f.split()[0], f.split()[1])]
+                    with pytest.raises(AssertionError, match="a collective started"):
+                        train_fsdp.main([*argv, *flags])
+    # Named with the other refusals, so that one fix is enough.
+    with before_any_collective(monkeypatch, 2):
+        line = refused(train_fsdp.main, [*base, "--run_dir", str(tmp_path / "chunked"), "--train.compile", "true",
+                                         "--train.loss_chunk_size", "64"], capsys)
+    if schedule in SECOND_BACKWARD:
+        assert line == (f"error: parallel.pp 2 does not run with train.loss_chunk_size, train.compile (under "
+                        f"{schedule}) yet (docs/pipeline.md); use train.loss_chunk_size 0 and train.compile false, or "
+                        f"parallel.pp 1"), line
+    else:
+        assert "train.compile" not in line, line
 
 
 def test_pipeline_settings_at_pp_1_get_a_notice_that_they_do_nothing():

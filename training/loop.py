@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from core import cli
 from core.errors import TrainingError
-from model import flops_per_token
+from hf_format import HFError, hf_model_type
+from model import ModelArgs, flops_per_token
 from observability.metrics import MetricsLog, device_peak_flops, peak_memory_gib
 from observability.progress import Progress
 from optimization.optimizers import schedule_notice
@@ -55,7 +56,7 @@ def train(s: Session) -> int:
     between_steps = (validation, Scoring(s, log, progress), checkpointing)
     progress.write(start_line(s, fpt))  # rank 0 only, and above the progress bar
     for notice in (validation.notice(), schedule_notice(cfg.optim, cfg.train.steps),
-                   pipeline_notice(cfg.parallel, cfg.train.micro_batch_size)):
+                   pipeline_notice(cfg.parallel, cfg.train.micro_batch_size), export_notice(cfg.model)):
         if notice:
             progress.write(notice)
 
@@ -88,6 +89,28 @@ def train(s: Session) -> int:
     if s.rank == 0:
         finish(s, stopped_by)
     return stopped_by
+
+
+def export_notice(args: ModelArgs) -> str:
+    """One line for the start when `hf.py export` will refuse the model this run trains, else ''.
+
+    By the export's own rules (hf_format.hf_model_type): a shape no transformers class computes (softmax routing
+    with shared experts, dense first layers or raw weights; sigmoid over one expert) and, known only from the
+    weights, a softmax MoE (a MixtralForCausalLM, which has no routing bias) whose balancing bias moved, as the
+    default model.moe_bias_update_rate moves it from the first step. Not an error: a run need not be exported; but
+    hours of training should not end in a refusal the start could have named, with its fix.
+    """
+    reasons = []
+    try:
+        hf_model_type(args)
+    except HFError as e:
+        reasons.append(str(e))
+    if args.n_experts and args.moe_score == "softmax" and args.moe_bias_update_rate:
+        reasons.append(f"a MixtralForCausalLM (softmax routing) has no routing bias, and the balancing bias "
+                       f"(model.moe_bias_update_rate {args.moe_bias_update_rate:g}) moves from the first step; to "
+                       f"keep the run exportable, pass --model.moe_bias_update_rate 0 (balance by "
+                       f"--model.moe_aux_loss) or --model.moe_score sigmoid (a Glm4MoeForCausalLM)")
+    return f"[train] notice: hf.py export will refuse this model: {'; and '.join(reasons)}" if reasons else ""
 
 
 def step_or_stop(s: Session) -> StepResult:
