@@ -124,21 +124,24 @@ def check_local_dir(path: str, flag: str, remote_hint: str = "") -> None:
         raise SetupError(f"{flag} {path!r} cannot be written ({reason}); choose another directory") from None
 
 
-def forget_exit_record(run_dir: str) -> None:
-    """Remove run_dir's exit.json when it names a signal, after a start that did not end cleanly (refused, crashed).
+def forget_exit_record(run_dir: str, older_than: float) -> None:
+    """Remove run_dir's exit.json when it names a signal and predates this start (its mtime before older_than, a
+    time.time()), after a start that did not end cleanly (refused, crashed).
 
     docs/cluster.md's rule for a requeue loop: a non-zero status from torchrun with an exit.json
     that names a signal is a clean stop. A start refused for bad input writes nothing, so the
     previous start's "stopped by SIGTERM" would speak for it, and such a loop would requeue the
     bad command forever. Only that kind of record is removed: a finished run's record reads as
     no clean stop already, and every other file (checkpoints, metrics, config) stays as it was.
-    A live run holding the directory's lock keeps its record. Never raises: the start's own
-    error is the one to report.
+    A live run holding the directory's lock keeps its record, and so does this start (a stop it
+    recorded before failing at teardown). Never raises: the start's own error is the one to report.
     """
     run = RunDir(run_dir)
     if "://" in run_dir or not os.path.isfile(run.exit_record):
         return
     try:
+        if os.path.getmtime(run.exit_record) >= older_than:
+            return
         with open(run.exit_record) as f:
             if not json.load(f).get("signal"):
                 return

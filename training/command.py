@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Callable
 
 import hf
@@ -117,13 +118,13 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
     description: the --help text's head.
     """
     distributed.die_with_agent()  # no orphan worker outlives its torchrun agent
-    cfg = None
+    cfg, started = None, time.time()
     try:
         cfg = parse_config(argv, description, require_file=True)
         check_run(cfg, distributed.world_size(), tp_plan, check_layout)
         return exit_status(run(cfg, tp_plan))
     except PeerError as e:
-        forget_last_exit(cfg, argv)
+        forget_last_exit(cfg, argv, started)
         report(e)
         # The process group is broken: leave now, before interpreter teardown races gloo's threads
         # into an abort ("terminate called ..."). Everything worth keeping is written and closed.
@@ -131,15 +132,15 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
         sys.stderr.flush()
         os._exit(2)
     except UserError as e:
-        forget_last_exit(cfg, argv)
+        forget_last_exit(cfg, argv, started)
         report(e)
         return 2
     except SystemExit as e:  # argparse's own errors exit 2; --help exits 0
         if e.code:
-            forget_last_exit(cfg, argv)
+            forget_last_exit(cfg, argv, started)
         raise
     except Exception:  # a crash keeps its traceback
-        forget_last_exit(cfg, argv)
+        forget_last_exit(cfg, argv, started)
         raise
     except KeyboardInterrupt:  # a Ctrl-C before the loop, or a second one inside it
         if int(os.environ.get("RANK", 0)) == 0:
@@ -148,8 +149,9 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
         return 130
 
 
-def forget_last_exit(cfg: Config | None, argv: list[str] | None) -> None:
-    """Rank 0 of a start that did not end cleanly removes a previous stop's exit.json (rundir.forget_exit_record).
+def forget_last_exit(cfg: Config | None, argv: list[str] | None, started: float) -> None:
+    """Rank 0 of a start that did not end cleanly removes a previous stop's exit.json, one written before started
+    (a time.time()): rundir.forget_exit_record.
 
     The run directory is the parsed config's, or, when the command line itself was refused, the
     last --run_dir on it (a run_dir set only in the --config file is then unknown: nothing is removed).
@@ -167,4 +169,4 @@ def forget_last_exit(cfg: Config | None, argv: list[str] | None) -> None:
                 run_dir = a.split("=", 1)[1]
         if not run_dir:
             return
-    forget_exit_record(run_dir)
+    forget_exit_record(run_dir, started)
