@@ -31,7 +31,14 @@ from core.errors import ConfigError
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line 'error: ...' on stderr and exits with status 2."""
+    """argparse that reports a bad flag as one line 'error: ...' on stderr and exits with status 2.
+
+    Flags are taken only by their whole name (allow_abbrev False unless asked): a prefix such as
+    '--dtyp' or '--max_seq' is a misspelling to name with its near miss, not a flag to guess.
+    """
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = sys.argv[1:] if args is None else list(args)  # for error(): a subcommand's own flags
@@ -44,10 +51,9 @@ class ArgumentParser(argparse.ArgumentParser):
         elif message.startswith("the following arguments are required: "):
             # A subcommand checks its required flags before its parent names the flags nobody knows, so a misspelt
             # required flag ('--run-dir') would read as a missing one: name it as the near miss it is.
-            missing = [f for part in message.split(": ", 1)[1].split(", ") for f in part.split("/")]
             known = self._all_flags()
             given = [w for w in getattr(self, "_given", []) if w.startswith("--") and w.split("=")[0] not in known]
-            message += _near_misses(given, missing)
+            message += _near_misses(given, known)
         print(f"error: {message}; see --help".replace("\n", "\\n"), file=sys.stderr, flush=True)
         raise SystemExit(2)
 

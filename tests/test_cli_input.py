@@ -10,6 +10,7 @@ import pytest
 import evaluate
 import generate
 import hf
+import plot
 from data_pipeline import tokenizer
 from debug_export import debug_run_dir
 from launch import DEBUG, ROOT, refused
@@ -107,6 +108,22 @@ def test_export_takes_no_abbreviated_flag_and_names_a_near_miss(tmp_path, capsys
     read or written."""
     paths = {"RUN": str(tmp_path / "run"), "OUT": str(tmp_path / "out")}
     line = refused(hf.main, ["export", *(paths.get(w, w) for w in argv)], capsys)
+    assert line == f"error: {words}; see --help", line
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("main, argv, words", [
+    # Before: taken as --max_new_tokens and --smooth (prefix matching).
+    (generate.main, ["--run_dir", "RUN", "--max_new", "5"],
+     "unrecognized arguments: --max_new 5; '--max_new': did you mean '--max_new_tokens'?"),
+    (plot.main, ["RUN", "--out", "OUT", "--smo", "3"], "unrecognized arguments: --smo 3; '--smo': did you mean '--smooth'?"),
+    (plot.main, ["RUN", "--smo", "3"],  # a required flag missing too: the near miss is named all the same
+     "the following arguments are required: --out; '--smo': did you mean '--smooth'?"),
+], ids=["generate", "plot", "plot_required"])
+def test_no_command_takes_an_abbreviated_flag(tmp_path, capsys, main, argv, words):
+    """core.cli.ArgumentParser takes flags by their whole name in every command (hf.py's test above)."""
+    paths = {"RUN": str(tmp_path / "run"), "OUT": str(tmp_path / "out.png")}
+    line = refused(main, [paths.get(w, w) for w in argv], capsys)
     assert line == f"error: {words}; see --help", line
     assert os.listdir(tmp_path) == []
 
