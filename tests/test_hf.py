@@ -553,3 +553,7 @@ def test_init_from_hf_into_data_prepared_with_the_same_tokenizer(tmp_path_factor
                     exported_dir(tmp_path_factory), "--train.steps", "1", "--checkpoint.interval", "1000")
     assert f"weights from {exported_dir(tmp_path_factory)}" in proc.stdout
     assert parse_config(["--config", str(rd / "config.toml")]).data.tokenizer == ""
+    # The same command again: the run's own checkpoint wins, and the start says the flag was not used.
+    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(rd), "--init_from_hf",
+                    exported_dir(tmp_path_factory), "--train.steps", "1", "--checkpoint.interval", "1000")
+    assert "step_00000001, not --init_from_hf" in proc.stdout and "nothing to run" in proc.stdout, proc.stdout

@@ -41,6 +41,10 @@ def resume_point(cfg: Config, ckpt: Checkpointer) -> tuple[str | None, str]:
     if path is None:
         check_not_moved(cfg, ckpt.root)
         return None, ""
+    if cfg.init_from_hf:  # as checkpoint.load_from says (Checkpointer.resume_path): the flag starts a new run only
+        print(f"[checkpoint] {ckpt.root} has checkpoints of its own: resuming from the newest, {path}, not "
+              f"--init_from_hf {cfg.init_from_hf}, which only starts a new run; for that, give a new --run_dir",
+              flush=True)
     check_steps_left(path, cfg.train.steps)  # nothing could run, and config.toml would get a train.steps never run
     saved = saved_config(path)  # read once: on a store every read is a request
     if saved.get("model"):  # saved before model.parametrization (sp) or the base multipliers (mup's q.k / head_dim)
