@@ -556,7 +556,7 @@ def num_params(a: ModelArgs, exclude_embedding: bool = False, active: bool = Fal
     experts), not all n_experts; the same as the total for a dense model.
     """
     per_layer = 2 * a.dim + a.dim * a.head_dim * (2 * a.n_heads + 2 * a.n_kv_heads)
-    n_moe = sum(a.is_moe_layer(i) for i in range(a.n_layers))
+    n_moe = max(0, a.n_layers - a.moe_first_dense) if a.n_experts else 0  # is_moe_layer's count, in O(1)
     routed = a.experts_per_token if active else a.n_experts
     moe_ffn = a.dim * a.n_experts + 3 * a.dim * a.expert_hidden * (routed + a.n_shared_experts)
     ffn = (a.n_layers - n_moe) * 3 * a.dim * a.ffn_dim + n_moe * moe_ffn

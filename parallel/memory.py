@@ -52,36 +52,45 @@ def host_memory() -> int:
     return total
 
 
-def rank_memory(device: torch.device, local_world_size: int, cpu_offload: bool = False) -> tuple[int, str]:
-    """(bytes one rank can hold, what they are) for the run's parameters, gradients and optimizer state.
+def rank_memory(device: torch.device, local_world_size: int, cpu_offload: bool = False) -> tuple[int, str, int]:
+    """(bytes one rank can hold, what they are, the ranks that share them or 0) for the run's parameters,
+    gradients and optimizer state.
 
-    On CUDA the device's own memory (its whole capacity, in bytes); on CPU, or with
-    parallel.cpu_offload (the state lives in host memory), the host's memory shared by the
-    local_world_size ranks of this node.
+    On CUDA the device's own memory (its whole capacity, in bytes; 0 ranks share it). On CPU, or
+    with parallel.cpu_offload (the state lives in host memory), the host's memory over the
+    local_world_size ranks of this node, which share it.
     """
     if device.type == "cuda" and not cpu_offload:
-        return torch.cuda.get_device_properties(device).total_memory, f"the {torch.cuda.get_device_name(device)}'s memory"
+        return (torch.cuda.get_device_properties(device).total_memory,
+                f"the {torch.cuda.get_device_name(device)}'s memory", 0)
     where = "host memory" if device.type == "cuda" else "CPU memory"
     share = f", shared by {local_world_size} ranks" if local_world_size > 1 else ""
-    return host_memory() // local_world_size, f"{where}{share}"
+    return host_memory() // local_world_size, f"{where}{share}", local_world_size
 
 
-def check_fits(args: ModelArgs, optimizer: str, world_size: int, dp_replicate: int, memory: int, where: str) -> None:
-    """Raise SetupError when resident_floor exceeds memory (bytes a rank has; where: what they are).
+def check_fits(args: ModelArgs, optimizer: str, world_size: int, dp_replicate: int, memory: int, where: str,
+               sharing: int = 0) -> None:
+    """Raise SetupError when resident_floor exceeds memory (bytes a rank has; where: what they are; sharing: the
+    ranks of a machine that share that machine's memory, 0 for a device of each rank's own).
 
     The message says how much a rank needs, how much it has, and what would fit: the parameter
-    count that fits at this world size, and the ranks this model needs.
+    count that fits at this world size, and the GPUs (or, for shared host memory, since more ranks
+    on one machine only split it further, the machines like this one) this model needs.
     """
     need = resident_floor(args, optimizer, world_size, dp_replicate)
     if need <= memory:
         return
     n, per = num_params(args), BYTES_PER_PARAM[optimizer]
-    shards = max(1, world_size // max(1, dp_replicate))
+    rep = max(1, dp_replicate)
+    shards = max(1, world_size // rep)
     fits = memory * shards // per
-    ranks = math.ceil(n * per / memory) * max(1, dp_replicate)
+    if sharing:
+        more = f"run it on at least {math.ceil(n * per * rep / (memory * sharing))} machines with this memory"
+    else:
+        more = f"spread it over at least {math.ceil(n * per / memory) * rep} GPUs of {memory / GIB:.1f} GiB each"
     raise SetupError(
         f"the model does not fit: its {n / 1e9:.2f}B parameters need at least {need / GIB:.1f} GiB on a rank for "
         f"parameters, gradients and {optimizer} state ({per} bytes each over {shards} rank(s) holding distinct shards, "
         f"before activations), and a rank has {memory / GIB:.1f} GiB ({where}); at most {fits / 1e9:.2f}B "
         f"parameters fit here: shrink the model (model.dim, model.n_layers, model.n_experts, model.vocab_size) or "
-        f"spread it over at least {ranks} ranks of {memory / GIB:.1f} GiB each")
+        f"{more}")

@@ -22,6 +22,7 @@ from launch import (
     metrics,
     prepared_data_dir,
     spawn,
+    torchrun,
     torchrun_command,
     wait_for_step,
 )
@@ -232,9 +233,12 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
     # and leaves the run's checkpoints, metrics and config as they were.
     stop = (rd / "exit.json").read_text()
     kept = {f: open(f, "rb").read() for f in _files(rd) if not f.endswith("exit.json")}
-    for bad in (("--optim.lr", "-1"), ("--train.stepz", "10")):
+    in_file = tmp_path / "run_dir_in_file.toml"  # the run directory named by the config file alone
+    in_file.write_text(open(DEBUG).read().replace('run_dir = "runs/debug"', f"run_dir = {str(rd)!r}"))
+    for bad in (("--config", DEBUG, "--run_dir", rd, "--optim.lr", "-1"),
+                ("--config", DEBUG, "--run_dir", rd, "--train.stepz", "10"), ("--config", in_file, "--train.stepz", "1")):
         (rd / "exit.json").write_text(stop)
-        rc = debug_run(2, rd, *COMMON, "--checkpoint.interval", "1000", *bad, check=False).returncode
+        rc = torchrun(2, "train_fsdp.py", *map(str, bad), *COMMON, check=False).returncode
         assert rc != 0 and not _requeue_reads_a_clean_stop(rc, rd), bad
         assert {f: open(f, "rb").read() for f in _files(rd)} == kept
     debug_run(2, rd, *COMMON, "--checkpoint.interval", "1000")

@@ -46,5 +46,8 @@ def test_the_floor_spreads_over_shards_not_replicas():
     assert resident_floor(cfg.model, "adamw", 8) == -(-one // 8)
     assert resident_floor(cfg.model, "adamw", 8, dp_replicate=2) == -(-one // 4)  # HSDP: 2 replicas of 4 shards
     check_fits(cfg.model, "adamw", 1, 1, one, "exactly enough")  # no error
-    with pytest.raises(SetupError, match=r"over 2 rank\(s\) holding distinct shards.*at least 3 ranks of"):
+    with pytest.raises(SetupError, match=r"over 2 rank\(s\) holding distinct shards.*at least 3 GPUs of"):
         check_fits(cfg.model, "adamw", 2, 1, one // 2 - 1, "one byte short")
+    # Two ranks sharing a machine's memory: more ranks there only split it further, so the remedy is machines.
+    with pytest.raises(SetupError, match=r"run it on at least 2 machines with this memory$"):
+        check_fits(cfg.model, "adamw", 2, 1, one // 2 - 1, "one byte short", sharing=2)

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Callable
 
+import tomllib
+
 import hf
 from checkpoint import complete_checkpoints
 from config import Config, compute_dtype, parse_config, validate
@@ -153,20 +155,31 @@ def forget_last_exit(cfg: Config | None, argv: list[str] | None, started: float)
     """Rank 0 of a start that did not end cleanly removes a previous stop's exit.json, one written before started
     (a time.time()): rundir.forget_exit_record.
 
-    The run directory is the parsed config's, or, when the command line itself was refused, the
-    last --run_dir on it (a run_dir set only in the --config file is then unknown: nothing is removed).
+    The run directory is the parsed config's or, when the command line or the config file was
+    refused, the last --run_dir given, else the --config file's run_dir as far as it reads as TOML
+    (a file that is not TOML names none: nothing is removed then).
     """
     if int(os.environ.get("RANK", 0)) != 0:
         return
-    if cfg is not None:
-        run_dir = cfg.run_dir
-    else:
-        args, run_dir = list(sys.argv[1:] if argv is None else argv), ""
-        for i, a in enumerate(args):
-            if a == "--run_dir" and i + 1 < len(args):
-                run_dir = args[i + 1]
-            elif a.startswith("--run_dir="):
-                run_dir = a.split("=", 1)[1]
-        if not run_dir:
-            return
-    forget_exit_record(run_dir, started)
+    run_dir = cfg.run_dir if cfg is not None else given_run_dir(list(sys.argv[1:] if argv is None else argv))
+    if run_dir:
+        forget_exit_record(run_dir, started)
+
+
+def given_run_dir(args: list[str]) -> str:
+    """The run directory a refused command line names: its last --run_dir, else its --config file's run_dir, or ''."""
+    flags = {}
+    for i, a in enumerate(args):
+        for flag in ("--run_dir", "--config"):
+            if a == flag and i + 1 < len(args):
+                flags[flag] = args[i + 1]
+            elif a.startswith(flag + "="):
+                flags[flag] = a.split("=", 1)[1]
+    if "--run_dir" in flags or "--config" not in flags:
+        return flags.get("--run_dir", "")
+    try:
+        with open(flags["--config"], "rb") as f:
+            run_dir = tomllib.load(f).get("run_dir", "")
+    except (OSError, ValueError):  # tomllib.TOMLDecodeError is a ValueError
+        return ""
+    return run_dir if isinstance(run_dir, str) else ""

@@ -106,10 +106,11 @@ def export_notice(args: ModelArgs) -> str:
     except HFError as e:
         reasons.append(str(e))
     if args.n_experts and args.moe_score == "softmax" and args.moe_bias_update_rate:
+        sigmoid = " or --model.moe_score sigmoid (a Glm4MoeForCausalLM)" if args.n_experts > 1 else ""
         reasons.append(f"a MixtralForCausalLM (softmax routing) has no routing bias, and the balancing bias "
                        f"(model.moe_bias_update_rate {args.moe_bias_update_rate:g}) moves from the first step; to "
                        f"keep the run exportable, pass --model.moe_bias_update_rate 0 (balance by "
-                       f"--model.moe_aux_loss) or --model.moe_score sigmoid (a Glm4MoeForCausalLM)")
+                       f"--model.moe_aux_loss){sigmoid}")
     return f"[train] notice: hf.py export will refuse this model: {'; and '.join(reasons)}" if reasons else ""
 
 
