@@ -11,7 +11,7 @@ multiplier follow these rules. With m_N = dim / base_dim and m_L = n_layers / ba
 | hidden wo w2: init std             | 0.02/sqrt(2 L)   | 0.02/sqrt(2 L m_N)      | 0.02 / sqrt(m_N)          |
 | hidden matrices: Adam LR, decay    | lr, wd           | lr / m_N, wd * m_N      | lr / m_N, wd * m_N        |
 | hidden matrices: Muon LR, decay    | lr (Moonlight), wd | lr / sqrt(m_N), wd*sqrt(m_N) | lr / sqrt(m_N), wd*sqrt(m_N) |
-| output: init std, Adam LR          | 0.02, lr         | 0.02, lr                | 0.02, lr                  |
+| output: init std, Adam LR          | 0.02, lr         | 0.02 m_N, lr            | 0.02 m_N, lr              |
 | norm weights: Adam LR              | lr               | lr                      | lr                        |
 | embedding multiplier               | 1                | a_in                    | a_in                      |
 | logits multiplier                  | 1                | a_out / m_N             | a_out / m_N               |
@@ -41,6 +41,15 @@ near 1, so Moonlight's 0.2 sqrt(max(fan_out, fan_in)) LR makes the update's spec
 as sqrt(width); the spectral condition (Bernstein & Yang 2023, sqrt(fan_out / fan_in) at a
 fixed aspect ratio) keeps it at the proxy's, which is Moonlight's factor frozen at the proxy
 shape: lr / sqrt(m_N) (docs/optimizers.md; benchmarks/lr_transfer.py measures it).
+
+The readout's init: its weights W enter the logits as a_out W / m_N, so W drawn at 0.02 m_N gives the effective
+readout the proxy's init, entry by entry, while its Adam updates (lr on W, lr a_out / m_N on the effective weights)
+keep Table 8's width-independent logit updates. Table 8 keeps W at 0.02 instead, which shrinks the effective readout
+as 1/m_N (microsoft/mup's MuReadout; zero in its readout_zero_init): measured on 2 CPU cores over 150 steps
+(benchmarks/results/cpu-2core_2026-12-06_mup_webtext.md), that left mup at 4x the proxy's width, at the proxy's LR,
+0.08 .. 0.45 above sp tuned at that width (on web text, the stdlib and prose; on the first two above the proxy
+itself), where the proxy's readout init puts it 0.05 .. 0.30 below sp (web text at one seed of three: 0.02 above;
+docs/transfer.md); the attention scale, lower LRs for the embedding or the norms, and a lower LR did not.
 
 At base_dim = dim and base_n_layers = n_layers with the base multipliers at 1, mup is sp, bit for bit, and
 completep differs from it only in wo/w2's init (tests/test_parametrization.py). Measured on 2 CPU cores
@@ -170,6 +179,8 @@ def init_std(args, name: str) -> float | None:
     if name.endswith("norm.weight"):
         return None
     m = multipliers(args)
+    if name.replace("_orig_mod.", "") == "output.weight":
+        return INIT_STD * m.width  # the readout a_out W / m_N starts as the proxy's, entry by entry (1 under sp)
     if not is_hidden(name):
         return INIT_STD
     if args.parametrization == "completep":

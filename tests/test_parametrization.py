@@ -32,6 +32,8 @@ def expected(p: str, dim: int, n_layers: int, base_dim: int, base_n_layers: int,
     writer = any(name.endswith(f"{h}.weight") for h in HIDDEN_OUT)
     if name.endswith("norm.weight"):
         std = None
+    elif name == "output.weight":
+        std = 0.02 * m  # the effective readout (a_out W / m) starts as the proxy's, entry by entry
     elif not hidden:
         std = 0.02
     elif p == "completep":
