@@ -36,7 +36,7 @@ from parallel import float8
 from parallel.compose import check_moe, check_pipeline, check_pipeline_composes
 from parallel.context_parallel import check_cp_layout
 from parallel.distributed import local_world_size, resolve_device
-from parallel.parallelize import ParallelConfig, check_layout
+from parallel.layout import Layout, ParallelConfig
 from storage.fs import check_location, is_url
 from storage.rundir import RunDir, check_local_dir
 
@@ -306,7 +306,7 @@ def validate(cfg: Config, world_size: int) -> None:
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_moe(cfg, world_size)
     check_pipeline_composes(cfg)
-    check_layout(cfg.parallel, world_size, local_world_size())
+    Layout.of(cfg.parallel, world_size).check(local_world_size())
     m = cfg.model
     check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
     dp = cfg.parallel.data_parallel(world_size)

@@ -47,7 +47,9 @@ from data import PackedCorpus
 from evaluation.downstream import READY, TaskConfig, check_tasks, evaluate_tasks, load_tasks
 from evaluation.validation import loss_sum_and_count, val_set
 from parallel import distributed
-from parallel.parallelize import build_mesh, build_model, dp_mesh
+from parallel.layout import build_mesh
+from parallel.parallelize import build_model
+from parallel.runner import OneStage
 from prepare import prepare
 from storage.rundir import RunDir
 
@@ -173,11 +175,11 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
     try:
         micro = micro_batch_size or max(1, cfg.train.micro_batch(world))
         mesh = build_mesh(device, world)
-        dp = dp_mesh(mesh)
+        dp = mesh.data
         if task_cfg is not None:
             loaded = distributed.on_rank0(lambda: load_tasks(task_cfg, tokenizer, cfg.model.max_seq_len), rank)
-            model = load_model(cfg, path, mesh, device)
-            result = evaluate_tasks(model, loaded, device, mesh, dp.get_local_rank(), dp.size(), dp.get_group(),
+            runner = OneStage(load_model(cfg, path, mesh, device), mesh, device)
+            result = evaluate_tasks(runner, loaded, dp.get_local_rank(), dp.size(), dp.get_group(),
                                     micro * cfg.data.seq_len)
             result.update({f"eval/{t.name}/examples": len(t.examples) for t in loaded})
             result["checkpoint"] = path
@@ -185,9 +187,9 @@ def evaluate_run(run_dir: str, checkpoint: str = "", split: str = "val", max_seq
             data_dir = distributed.on_rank0(lambda: prepared_data(cfg, run_cfg, run_dir, tokenizer), rank)
             corpus = PackedCorpus(data_dir, cfg.data)
             windows = split_windows(corpus, split, max_sequences, source)
-            model = load_model(cfg, path, mesh, device)
+            runner = OneStage(load_model(cfg, path, mesh, device), mesh, device, cfg.train.loss_chunk_size)
             vs = val_set(corpus, split, windows, micro, rank, world)  # sharded as training's validation
-            loss_sum, count = loss_sum_and_count(model, vs, device, mesh, dp.get_group(), cfg.train.loss_chunk_size)
+            loss_sum, count = loss_sum_and_count(runner, vs, dp.get_group())
             loss = loss_sum / count
             result = {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(count),
                       "sequences": len(windows), "split": split, "checkpoint": path}

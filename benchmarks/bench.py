@@ -56,7 +56,7 @@ from data_pipeline import loader as loader_lib  # noqa: E402
 from evaluation import validation  # noqa: E402
 from observability import metrics  # noqa: E402
 from optimization import optimizers  # noqa: E402
-from parallel import distributed, parallelize  # noqa: E402
+from parallel import distributed, layout, parallelize  # noqa: E402
 from training.step import build_trainable, optimizer_step, train_step  # noqa: E402
 
 MIB = 2 ** 20
@@ -107,7 +107,7 @@ def worker_trainable(argv: list[str], steps: int) -> tuple:
     config_lib.validate(cfg, distributed.world_size())
     rank, world, device = distributed.init_distributed(cfg.train.device)
     par = cfg.parallel
-    mesh = parallelize.build_mesh(device, world, par.tp, par.dp_replicate, par.cp, par.ep, par.pp)
+    mesh = layout.build_mesh(device, world, par)
     return a, cfg, rank, world, mesh, build_trainable(cfg, rank, mesh, device)
 
 
@@ -146,9 +146,7 @@ class OursStep:
 
     def forward_only(self, micro_batches):
         vs = validation.ValSet("bench", micro_batches, 0, len(micro_batches))
-        validation.loss_sum_and_count(self.model, vs, self.device, self.trainable.mesh,
-                                      parallelize.dp_mesh(self.trainable.mesh).get_group(),
-                                      self.cfg.train.loss_chunk_size)
+        validation.loss_sum_and_count(self.trainable.runner, vs, self.trainable.mesh.data.get_group())
 
 
 class HFStep(OursStep):
@@ -277,7 +275,7 @@ def run_worker(args, rest) -> dict:
         raise SystemExit(f"[bench] parallel.tp is {cfg.parallel.tp}: the benchmark times FSDP only (tp 1)")
     config_lib.validate(cfg, distributed.world_size())
     rank, world, device = distributed.init_distributed(cfg.train.device)
-    mesh = parallelize.build_mesh(device, world)
+    mesh = layout.build_mesh(device, world)
     variants = [OursStep("ours", cfg, mesh, device)]
     for spec in args.variant:
         name, _, extra = spec.partition("=")
@@ -357,7 +355,7 @@ def run_worker(args, rest) -> dict:
     set_vs_ours(res)
     base = res["variants"]["ours"]["tokens_per_sec"]["median"]
     if args.loader_seconds > 0:
-        rate = loader_rate(cfg, parallelize.dp_mesh(mesh).get_local_rank(), world, args.loader_seconds)
+        rate = loader_rate(cfg, mesh.local_rank("data"), world, args.loader_seconds)
         r = torch.tensor([rate], dtype=torch.float64)
         dist.all_reduce(r, op=dist.ReduceOp.MIN)
         consumed = base / world

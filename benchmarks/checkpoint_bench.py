@@ -31,7 +31,7 @@ from data_pipeline.loader import DataState  # noqa: E402
 from model import num_params  # noqa: E402
 from parallel import (
     distributed,  # noqa: E402
-    parallelize,  # noqa: E402
+    layout,  # noqa: E402
 )
 from storage import fs  # noqa: E402
 from training.step import build_trainable, train_step  # noqa: E402
@@ -84,7 +84,7 @@ def main() -> None:
             del argv[i:i + 2]
     cfg = config.parse_config(argv, description=__doc__)
     rank, world, device = distributed.init_distributed(cfg.train.device)
-    mesh = parallelize.build_mesh(device, world)
+    mesh = layout.build_mesh(device, world)
     tr = build_trainable(cfg, rank, mesh, device)
     # One synthetic step of the trainer's own so the optimizer state exists and is written.
     tokens = torch.randint(0, cfg.model.vocab_size, (1, cfg.data.seq_len + 1), device=device)

@@ -3,7 +3,7 @@
     python benchmarks/cp_bench.py --cps 1,2,4 --seq_len 8192 --steps 3 [--config ... --section.field value ...]
 
 For each cp the driver launches `torchrun --nproc_per_node=cp` of this file (one CP group, dp 1),
-which builds the run as the trainer does (build_trainable on parallelize.build_mesh with
+which builds the run as the trainer does (build_trainable on layout.build_mesh with
 cp), then on one synthetic sequence of seq_len tokens (one global batch, the same on every rank):
 
 - step peak MiB: the profiler's peak of allocated CPU memory during one training step, above
@@ -37,7 +37,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import config as config_lib  # noqa: E402
-from parallel import context_parallel, distributed, parallelize  # noqa: E402
+from parallel import context_parallel, distributed  # noqa: E402
+from parallel import layout as parallel_layout  # noqa: E402
 from training.step import build_trainable, train_step  # noqa: E402
 
 MIB = 2 ** 20
@@ -85,7 +86,7 @@ def worker(args, rest) -> None:
     cfg = config_lib.parse_config([*DEFAULTS, "--data.seq_len", str(args.seq_len), "--model.max_seq_len",
                                    str(max(args.seq_len, 512)), "--parallel.cp", str(args.cp), *rest])
     rank, world, device = distributed.init_distributed(cfg.train.device)
-    mesh = parallelize.build_mesh(device, world, 1, 1, cfg.parallel.cp)
+    mesh = parallel_layout.build_mesh(device, world, cfg.parallel)
     s = build_trainable(cfg, rank, mesh, device)
     gen = torch.Generator().manual_seed(0)  # the same sequence on every rank: one CP group's global batch
     window = torch.randint(3, cfg.model.vocab_size, (1, args.seq_len + 1), generator=gen)
@@ -101,7 +102,7 @@ def worker(args, rest) -> None:
     train_step(s, batch)  # warm-up
     context_parallel.funcol.all_to_all_single_autograd = counting
     with torch.no_grad():
-        inputs, labels, layout = context_parallel.shard_batch(s.model, window[:, :-1], window[:, 1:], mesh)
+        inputs, labels, layout = context_parallel.shard_batch(s.model, window[:, :-1], window[:, 1:], mesh.cp)
         s.model(inputs, layout=layout)
     context_parallel.funcol.all_to_all_single_autograd = inner
     times = []

@@ -28,7 +28,7 @@ from data_pipeline import sources  # noqa: E402
 from evaluation import downstream  # noqa: E402
 from parallel import (
     distributed,  # noqa: E402
-    parallelize,  # noqa: E402
+    layout,  # noqa: E402
 )
 from storage.rundir import RunDir  # noqa: E402
 from training.step import build_trainable, train_step  # noqa: E402
@@ -65,8 +65,8 @@ def main() -> None:
     n, repeats = _flag(argv, "--examples", 200), _flag(argv, "--repeats", 3)
     cfg = config.parse_config(argv, description=__doc__)
     rank, world, device = distributed.init_distributed(cfg.train.device)
-    mesh = parallelize.build_mesh(device, world)
-    dp = parallelize.dp_mesh(mesh)
+    mesh = layout.build_mesh(device, world)
+    dp = mesh.data
     tr = build_trainable(cfg, rank, mesh, device)
     micro = cfg.train.micro_batch(dp.size())
     accum = cfg.train.global_batch_size // (micro * dp.size())
@@ -76,7 +76,7 @@ def main() -> None:
                                                                cfg.model.max_seq_len), rank)
 
     def score():
-        downstream.evaluate_tasks(tr.model, tasks, device, mesh, dp.get_local_rank(), dp.size(), dp.get_group(),
+        downstream.evaluate_tasks(tr.runner, tasks, dp.get_local_rank(), dp.size(), dp.get_group(),
                                   micro * cfg.data.seq_len)
 
     # Interleaved, one warm-up of each first: a busy spell of the machine slows both alike.

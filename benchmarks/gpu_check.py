@@ -54,8 +54,8 @@ from core.cli import ArgumentParser, number  # noqa: E402
 from core.errors import one_line  # noqa: E402
 from model import PRESETS, ModelArgs, block_causal_mask, block_mask  # noqa: E402
 from nn.loss import token_loss_sum  # noqa: E402
-from parallel import distributed, parallelize  # noqa: E402
-from training.step import forward_backward  # noqa: E402
+from parallel import distributed, layout, parallelize  # noqa: E402
+from parallel.runner import OneStage  # noqa: E402
 
 CHUNK = 4096
 
@@ -81,9 +81,9 @@ class Check:
 
 def _step_loss(cfg_model: ModelArgs, dtype: str, mesh, device, tokens, chunk: int = 0) -> float:
     """Mean token loss of one forward/backward (no update) of a fresh model from seed 0."""
-    model = parallelize.build_model(cfg_model, mesh, device, 0, parallelize.ParallelConfig(), dtype=dtype)
+    model = parallelize.build_model(cfg_model, mesh, device, 0, layout.ParallelConfig(), dtype=dtype)
     n = tokens[:, 1:].numel()
-    loss, _ = forward_backward(model, [(tokens[:, :-1], tokens[:, 1:])], n, 1, device, mesh, chunk)
+    loss, _ = OneStage(model, mesh, device, chunk).forward_backward([(tokens[:, :-1], tokens[:, 1:])], n)
     return loss.item() / n
 
 
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     _, _, device = distributed.init_distributed("cuda")
-    ctx = Context(args, device, parallelize.build_mesh(device, 1))
+    ctx = Context(args, device, layout.build_mesh(device, 1))
     t0 = time.perf_counter()
     for check in CHECKS:
         if check.name in args.only:

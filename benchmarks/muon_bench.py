@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from config import parse_config  # noqa: E402
 from optimization.muon import is_muon_matrix  # noqa: E402
 from parallel import distributed  # noqa: E402
-from parallel.parallelize import build_mesh  # noqa: E402
+from parallel.layout import build_mesh  # noqa: E402
 from training.step import build_trainable, train_step  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main() -> None:
         for name in ("adamw", "muon"):
             cfg = parse_config(["--config", "configs/debug.toml", "--optim.name", name, "--train.global_batch_size",
                                 str(batch), "--train.steps", "1000"])
-            trs[name] = build_trainable(cfg, rank, build_mesh(device, world, 1, 1), device)
+            trs[name] = build_trainable(cfg, rank, build_mesh(device, world), device)
         times = {n: [] for n in trs}
         gen = torch.Generator().manual_seed(rank)
         for i in range(args.steps):

@@ -70,7 +70,6 @@ def worker(argv: list[str]) -> None:
     from torch.distributed.pipelining import stage as pp_stage
 
     from bench import local_bytes, synthetic_batches, worker_trainable
-    from parallel import parallelize
     from training.step import train_step
 
     a, cfg, rank, world, mesh, t = worker_trainable(argv, 5)
@@ -88,10 +87,10 @@ def worker(argv: list[str]) -> None:
     base = pp_stage._PipelineStageBase
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         setattr(base, name, timed(getattr(base, name), 0))
-    if t.pipeline is not None:
-        t.pipeline.schedule.step = timed(t.pipeline.schedule.step, 1)
+    if mesh.pp is not None:
+        t.runner.schedule.step = timed(t.runner.schedule.step, 1)
 
-    batches = synthetic_batches(cfg, parallelize.dp_mesh(mesh).size(), 2 + a.steps)
+    batches = synthetic_batches(cfg, mesh.size("data"), 2 + a.steps)
     for b in batches[:2]:  # shape inference, then a first ordinary step
         train_step(t, b)
     state = [v for s in t.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]

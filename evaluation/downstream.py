@@ -34,13 +34,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from core.errors import ConfigError
 from data import DataError
 from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer
 from evaluation.validation import rank_share, reshard
-from nn.loss import has_tp, loss_context, token_logprobs
 
 
 @dataclasses.dataclass
@@ -350,43 +348,40 @@ def _batches(order: list[int], requests: list[Request], max_tokens: int, multipl
 
 
 @torch.no_grad()
-def loglikelihoods(model: torch.nn.Module, requests: list[Request], device: torch.device, mesh: DeviceMesh,
-                   dp_rank: int, dp_size: int, dp_group, max_tokens: int, pad_id: int = 0,
-                   pipeline=None) -> list[float]:
+def loglikelihoods(runner, requests: list[Request], dp_rank: int, dp_size: int, dp_group, max_tokens: int,
+                   pad_id: int = 0) -> list[float]:
     """Summed log-likelihood (nats, fp32 per token, float64 sums) of each request's continuation (collective).
 
     The requests, longest first, are shared out over the dp_size data-parallel ranks
     (rank_share); each rank scores its share in right-padded batches of at most max_tokens
-    tokens (widths rounded up to a multiple of the mesh's tp size, for sequence parallelism),
-    every rank runs as many forward passes as the rank with the most, and one all-reduce over
-    dp_group gives every rank every sum. The model is left in train mode, its FSDP modules
-    resharded. pipeline: under pipeline parallelism this rank's parallel.pipeline.Pipeline (model
-    is then its part), whose stages run each batch in turn.
+    tokens (widths rounded up to a multiple of the tp size, for sequence parallelism), every
+    rank runs as many forward passes as the rank with the most, and one all-reduce over
+    dp_group gives every rank every sum. runner: this rank's (parallel/runner.py), whose stages
+    run each batch in turn when there are several. The model is left in train mode, its FSDP
+    modules resharded.
     """
+    model, device = runner.model, runner.device
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     lo, hi = rank_share(len(order), dp_rank, dp_size)
-    tp = mesh["tp"].size() if has_tp(mesh) else 1
+    tp = runner.mesh.size("tp")
     mine = list(_batches(order[lo:hi], requests, max_tokens, tp))
     counts = torch.tensor([len(mine)], device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=dp_group)
     sums = torch.zeros(len(requests), dtype=torch.float64, device=device)
     model.eval()
-    with loss_context(mesh)():
-        for b in range(int(counts.item())):
-            batch, width = mine[min(b, len(mine) - 1)] if mine else ([], tp)
-            inputs = torch.full((max(len(batch), 1), width), pad_id, dtype=torch.long)
-            targets = torch.full_like(inputs, -100)  # ignored: padding and context
-            for row, i in enumerate(batch):
-                r = requests[i]
-                n = len(r.tokens) - 1
-                inputs[row, :n] = torch.tensor(r.tokens[:-1])
-                targets[row, n - r.n_continuation:n] = torch.tensor(r.tokens[n + 1 - r.n_continuation:])
-            x, y = inputs.to(device), targets.to(device)
-            logp = (pipeline.token_logprobs(x, y, has_tp(mesh)) if pipeline is not None
-                    else token_logprobs(model, x, y, has_tp(mesh))).double().sum(dim=1)
-            if b < len(mine):
-                sums[batch] = logp[:len(batch)]
-    reshard(model, pipeline)
+    for b in range(int(counts.item())):
+        batch, width = mine[min(b, len(mine) - 1)] if mine else ([], tp)
+        inputs = torch.full((max(len(batch), 1), width), pad_id, dtype=torch.long)
+        targets = torch.full_like(inputs, -100)  # ignored: padding and context
+        for row, i in enumerate(batch):
+            r = requests[i]
+            n = len(r.tokens) - 1
+            inputs[row, :n] = torch.tensor(r.tokens[:-1])
+            targets[row, n - r.n_continuation:n] = torch.tensor(r.tokens[n + 1 - r.n_continuation:])
+        logp = runner.token_logprobs(inputs.to(device), targets.to(device)).double().sum(dim=1)
+        if b < len(mine):
+            sums[batch] = logp[:len(batch)]
+    reshard(runner.modules)
     model.train()
     dist.all_reduce(sums, group=dp_group)  # each request was scored by exactly one rank
     return sums.tolist()
@@ -412,14 +407,13 @@ def load_tasks(cfg: EvalConfig, tokenizer_path: str, max_len: int) -> list[Task]
     return out
 
 
-def evaluate_tasks(model: torch.nn.Module, tasks: list[Task], device: torch.device, mesh: DeviceMesh,
-                   dp_rank: int, dp_size: int, dp_group, max_tokens: int, pipeline=None) -> dict[str, float]:
+def evaluate_tasks(runner, tasks: list[Task], dp_rank: int, dp_size: int, dp_group, max_tokens: int
+                   ) -> dict[str, float]:
     """{"eval/<task>/acc", "eval/<task>/acc_norm"} of every task (collective over the data-parallel ranks, and the
-    pipeline's ranks under PP: see loglikelihoods)."""
+    stages' ranks when there are several: see loglikelihoods)."""
     record = {}
     for t in tasks:
-        lls = loglikelihoods(model, t.requests, device, mesh, dp_rank, dp_size, dp_group, max_tokens,
-                             pipeline=pipeline)
+        lls = loglikelihoods(runner, t.requests, dp_rank, dp_size, dp_group, max_tokens)
         for k, v in scores(t.examples, lls).items():
             record[f"eval/{t.name}/{k}"] = v
     return record

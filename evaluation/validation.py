@@ -13,12 +13,11 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from data import PackedCorpus
-from nn.loss import applied_chunk_size, loss_context, scalar, token_loss_sum
-from parallel.context_parallel import cp_size, shard_batch
+from nn.loss import scalar
+from parallel.context_parallel import shard_batch
 
 
 def rank_share(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -78,16 +77,14 @@ def val_record(losses: dict[str, float], sets: list[ValSet]) -> dict:
     return {"val_loss": val, "val_ppl": math.exp(min(val, 50)), **{f"val_loss/{k}": x for k, x in losses.items()}}
 
 
-def reshard(model: torch.nn.Module, pipeline=None) -> None:
-    """Free the parameters that forward passes left gathered (every FSDP module resharded).
+def reshard(roots: list[torch.nn.Module]) -> None:
+    """Free the parameters that forward passes left gathered (every FSDP module under roots resharded).
 
     With parallel.reshard_after_forward false a forward-only pass (validation, downstream
     scoring) keeps them gathered until the next backward, which would hold the unsharded
-    model through the training step that follows. pipeline: under pipeline parallelism this
-    rank's parallel.pipeline.Pipeline, whose stages are FSDP roots of their own outside model
-    when a rank runs several.
+    model through the training step that follows. roots: a runner's modules (parallel/runner.py):
+    the model, and the stages that are FSDP roots of their own when a rank runs several.
     """
-    roots = [model] + ([m for _, m in pipeline.stages] if pipeline is not None else [])
     # Stages share the model's blocks (and a single stage is the model): each module once.
     for m in dict.fromkeys(m for root in roots for m in root.modules()):
         if isinstance(m, FSDPModule):
@@ -95,38 +92,31 @@ def reshard(model: torch.nn.Module, pipeline=None) -> None:
 
 
 @torch.no_grad()
-def loss_sum_and_count(model: torch.nn.Module, vs: ValSet, device: torch.device, mesh: DeviceMesh,
-                       dp_group, loss_chunk_size: int = 0, pipeline=None) -> tuple[float, int]:
+def loss_sum_and_count(runner, vs: ValSet, dp_group) -> tuple[float, int]:
     """(sum of token losses in nats, number of targets) over every rank's share of vs (collective over dp_group).
 
-    Training's loss (loss.token_loss_sum: fp32 cross-entropy, chunked as applied on mesh),
-    forward only: under no_grad the chunked loss computes no gradient. With a "cp" dimension
-    each rank scores its slice of every window (context_parallel.shard_batch), and dp_group
-    must be parallelize.loss_mesh's (data-parallel x CP) so that every slice is counted once. Every rank runs
-    vs.n_forward passes. pipeline: under pipeline parallelism this rank's parallel.pipeline.Pipeline (model
-    is its stage): each batch runs stage after stage, and the last stage's sums reach every stage. Afterwards
-    each FSDP module is resharded, so that with
-    parallel.reshard_after_forward false the parameters a forward left gathered are freed
-    now, not at the next backward. The model is left in train mode.
+    runner: this rank's (parallel/runner.py), which gives training's loss forward only (fp32
+    cross-entropy, chunked as applied; under no_grad the chunked loss computes no gradient).
+    Under CP each rank scores its slice of every window (context_parallel.shard_batch), and
+    dp_group must be the loss ranks' (layout.Mesh.loss: data-parallel x CP) so that every slice
+    is counted once. Every rank runs vs.n_forward passes; with several stages each batch
+    runs stage after stage and the last stage's sums reach every stage. Afterwards each FSDP
+    module is resharded, so that with parallel.reshard_after_forward false the parameters a
+    forward left gathered are freed now, not at the next backward. The model is left in train mode.
     """
+    model, mesh, device = runner.model, runner.mesh, runner.device
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    spare = (torch.zeros(1, cp_size(mesh), dtype=torch.long),) * 2  # for a rank with no window at all
-    chunk = applied_chunk_size(mesh, loss_chunk_size)
-    with loss_context(mesh)():
-        for i in range(vs.n_forward):
-            inputs, labels = vs.batches[min(i, len(vs.batches) - 1)] if vs.batches else spare
-            inputs, labels, layout = shard_batch(model, inputs.to(device), labels.to(device), mesh)
-            if pipeline is not None:
-                loss = pipeline.forward_loss(inputs, labels, layout)
-            else:
-                loss = token_loss_sum(model, inputs, labels, chunk, layout)
-            if i < len(vs.batches) and (pipeline is None or pipeline.is_last):
-                total[0] += scalar(loss).double()
-                total[1] += labels.numel()
-    reshard(model, pipeline)
+    spare = (torch.zeros(1, mesh.size("cp"), dtype=torch.long),) * 2  # for a rank with no window at all
+    for i in range(vs.n_forward):
+        inputs, labels = vs.batches[min(i, len(vs.batches) - 1)] if vs.batches else spare
+        inputs, labels, layout = shard_batch(model, inputs.to(device), labels.to(device), mesh.cp)
+        loss = runner.forward_loss(inputs, labels, layout)
+        if i < len(vs.batches) and runner.holds_loss:
+            total[0] += scalar(loss).double()
+            total[1] += labels.numel()
+    reshard(runner.modules)
     model.train()
-    if pipeline is not None:
-        dist.all_reduce(total, group=pipeline.group)
+    runner.sum_over_stages(total)
     dist.all_reduce(total, group=dp_group)
     return total[0].item(), int(total[1].item())

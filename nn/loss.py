@@ -13,7 +13,7 @@ the chunks' forward runs: one (chunk, vocab) matmul per chunk, no gradient.
 With tensor parallelism the output projection leaves the logits sharded on the vocabulary
 (a DTensor, Shard(-1)); ``loss_parallel`` then computes the cross-entropy without gathering
 (batch, seq, vocab) on any rank, each rank holding vocab / tp of them. ``loss_context`` picks
-it from the mesh, and chunking is not applied there (the rule: TP's vocabulary split wins).
+it under TP, and chunking is not applied there (the rule: TP's vocabulary split wins).
 
 The z-loss (train.z_loss; PaLM, Chowdhery et al. 2022, section 5) adds z_loss * logsumexp(logits)^2
 per token, which pulls the softmax normaliser towards 1. It is computed in all three forms: on full
@@ -29,24 +29,18 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 
-def has_tp(mesh: DeviceMesh | None) -> bool:
-    """Whether mesh has a "tp" dimension (the logits are then vocabulary-sharded)."""
-    return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
+def applied_chunk_size(vocab_parallel: bool, loss_chunk_size: int) -> int:
+    """train.loss_chunk_size as applied: 0 (full logits) when the logits are vocabulary-parallel (TP)."""
+    return 0 if vocab_parallel else loss_chunk_size
 
 
-def applied_chunk_size(mesh: DeviceMesh | None, loss_chunk_size: int) -> int:
-    """train.loss_chunk_size as applied on mesh: 0 (full logits, vocabulary-parallel) when it has "tp"."""
-    return 0 if has_tp(mesh) else loss_chunk_size
-
-
-def loss_context(mesh: DeviceMesh | None):
-    """The context the loss and its backward run in: loss_parallel when mesh has a "tp" dimension, else none."""
-    return loss_parallel if has_tp(mesh) else contextlib.nullcontext
+def loss_context(vocab_parallel: bool):
+    """The context the loss and its backward run in: loss_parallel when the logits are vocabulary-parallel (TP)."""
+    return loss_parallel if vocab_parallel else contextlib.nullcontext
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

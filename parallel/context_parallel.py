@@ -18,7 +18,7 @@ leave the rank; the backward moves the same again (docs/long_context.md).
 RoPE positions and document ids are those of the whole windows (model.slice_layout): a document
 that crosses a slice boundary keeps its positions, and the mask the kernel applies over the
 whole sequence is the whole windows' one. FSDP shards parameters over the data-parallel and
-CP ranks together (parallelize.fsdp_mesh), so CP adds no parameter memory, and gradients are
+CP ranks together (layout.Mesh.fsdp), so CP adds no parameter memory, and gradients are
 reduced over both; the loss is summed over every rank's tokens and divided by the global
 target count, as without CP (training/step.py: forward_backward).
 """
@@ -63,11 +63,6 @@ def check_cp_layout(cp: int, tp: int, seq_len: int, n_heads: int, n_kv_heads: in
     if eval_tasks:
         raise SetupError(f"[[eval.tasks]] are scored in the loop only at parallel.cp 1 (got {cp}); drop [eval] "
                          f"and score the checkpoints with evaluate.py --tasks")
-
-
-def cp_size(mesh: DeviceMesh | None) -> int:
-    """The CP degree of mesh: the size of its "cp" dimension, 1 without one."""
-    return mesh["cp"].size() if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) else 1
 
 
 def _seq_to_heads(x: Tensor, cp: int, group) -> Tensor:
@@ -116,19 +111,18 @@ def _sum_over(x: Tensor, group) -> Tensor:
     return funcol.all_reduce(x.detach(), "sum", group).wait()
 
 
-def shard_batch(model: torch.nn.Module, inputs: Tensor, labels: Tensor, mesh: DeviceMesh | None
+def shard_batch(model: torch.nn.Module, inputs: Tensor, labels: Tensor, cp_mesh: DeviceMesh | None
                 ) -> tuple[Tensor, Tensor, SequenceLayout | None]:
     """This CP rank's slice of whole windows: (inputs, labels, layout) to pass to the model and the loss.
 
     inputs, labels: (batch, seq) int64, the same on every rank of a CP group. Returns
     inputs[:, lo:hi], labels[:, lo:hi] with [lo, hi) the rank's contiguous seq / cp slice, and
-    the slice's SequenceLayout computed from the whole inputs (model.slice_layout); without a
-    "cp" dimension in mesh, (inputs, labels, None) unchanged.
+    the slice's SequenceLayout computed from the whole inputs (model.slice_layout); cp_mesh is
+    the CP group's (layout.Mesh.cp); without one, (inputs, labels, None) unchanged.
     """
-    cp = cp_size(mesh)
-    if cp == 1:
+    if cp_mesh is None:
         return inputs, labels, None
-    r, n = mesh["cp"].get_local_rank(), inputs.shape[1] // cp
+    r, n = cp_mesh.get_local_rank(), inputs.shape[1] // cp_mesh.size()
     args = model.args
     layout = slice_layout(inputs, r * n, (r + 1) * n, args.document_mask, args.eot_id)
     return inputs[:, r * n:(r + 1) * n].contiguous(), labels[:, r * n:(r + 1) * n].contiguous(), layout

@@ -279,15 +279,15 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def grad_norm_(params, max_norm: float, device: torch.device, stages_group=None) -> torch.Tensor:
+def grad_norm_(params, max_norm: float, device: torch.device, across_stages=None) -> torch.Tensor:
     """Global L2 norm of the gradients of params (DTensors on any mesh, or plain tensors); clip in place.
 
     Each gradient's local squared sum is reduced over the mesh dimensions it is sharded on
     (replicated dimensions hold copies and are not summed), on `device` so CPU-offloaded
     gradients work with NCCL. Returns the pre-clip norm as a 0-dim fp32 tensor on device.
     Clipping (max_norm > 0) scales every gradient by min(1, max_norm / (norm + 1e-6)).
-    stages_group: under pipeline parallelism the pp group, whose stages hold different parameters: their
-    squared sums are added up, so every stage clips by the whole model's norm.
+    across_stages: the group of the ranks running the model's other pipeline stages (None with one): they hold
+    different parameters, so their squared sums are added up and every stage clips by the whole model's norm.
     """
     groups: dict[tuple, torch.Tensor] = {}
     grads = []
@@ -308,8 +308,8 @@ def grad_norm_(params, max_norm: float, device: torch.device, stages_group=None)
         for d in dims:
             dist.all_reduce(sq, group=mesh.get_group(d))
         total = total + sq
-    if stages_group is not None:
-        dist.all_reduce(total, group=stages_group)
+    if across_stages is not None:
+        dist.all_reduce(total, group=across_stages)
     norm = total.sqrt()
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

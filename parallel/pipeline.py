@@ -2,7 +2,7 @@
 
 Which blocks each stage holds and which stages a rank runs: pipeline_stages.py (each rank
 builds the whole model on the meta device and prunes it to its stages, so names stay the full
-model's). The pipeline group is the mesh's outermost dimension (parallelize.build_mesh).
+model's). The pipeline group is the mesh's outermost dimension (layout.Layout).
 
 The schedule is PyTorch's own (``torch.distributed.pipelining``): each data-parallel rank's
 share of the step's batch is split into parallel.pp_microbatches micro-batches, and the last
@@ -11,11 +11,11 @@ z-loss term) times the same factor dp / global targets as without PP, with the s
 own gradient scaling off, so the gradients are exactly those of one process. Each stage is
 FSDP-sharded over its data-parallel ranks as a whole model is, as its own FSDP root; the
 schedule drives FSDP's gradient sync (once per step). Validation runs the stages one after
-another on the whole batch (``Pipeline.forward_loss``).
+another on the whole batch (``Pipeline.forward_loss``). A Pipeline is a runner (runner.py): the
+step, validation and scoring ask it what they ask of runner.OneStage at pp 1.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
@@ -25,14 +25,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from core.errors import SetupError
 from model import SequenceLayout, Transformer, slice_layout
 from nn.loss import logits_loss_sums, loss_context, nll_head
-from nn.moe import moe_layers
 from parallel.context_parallel import shard_batch
+from parallel.hooks import StepHook, aux_of
+from parallel.layout import Mesh
 from parallel.pipeline_stages import (
     MULTI_STAGE,
     SCHEDULES,
@@ -136,11 +136,17 @@ def microbatch_choices(pp: int, schedule: str, local_batch: int) -> list[int]:
 
 @dataclasses.dataclass
 class Pipeline:
-    """This rank's stages and their schedule; the last stage's loss sums of the step are kept in sums."""
+    """This rank's stages and their schedule, a runner (runner.py); the last stage's loss sums of the step are kept
+    in sums."""
 
     model: Transformer
     schedule: object
-    group: dist.ProcessGroup
+    across_stages: dist.ProcessGroup
+    """The pipeline's group: one rank per stage (layout.Mesh.pp)."""
+    mesh: Mesh
+    device: torch.device
+    schedule_name: str
+    """parallel.pp_schedule."""
     stages: list[tuple[int, nn.Module]]
     """(stage index, module) of each stage this rank runs, ascending (pipeline_stages.stage_modules)."""
     n_stages: int
@@ -152,12 +158,36 @@ class Pipeline:
     """Stage index -> the pipeline rank that runs it."""
     seq_split: int = 1
     """The parts the sequence is split into between stages (tp under sequence parallelism)."""
-    context: Callable = contextlib.nullcontext
-    """The context the loss and its backward run in (loss_parallel under TP)."""
+    vocab_parallel: bool = False
+    """Whether the logits are vocabulary-sharded (TP): the loss and its backward then run under loss_parallel."""
     scale: float = 1.0
     """The loss's factor for the step: data-parallel ranks / the global batch's targets (training/step.py)."""
     sums: list = dataclasses.field(default_factory=list)
     """(cross-entropy sum, logsumexp^2 sum) of each loss_fn call of the step, detached."""
+
+    @property
+    def context(self) -> Callable:
+        """The context the loss and its backward run in (nn.loss.loss_context)."""
+        return loss_context(self.vocab_parallel)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The FSDP roots this rank runs: the model and its stages' modules (one stage is the model)."""
+        return [self.model] + [m for _, m in self.stages]
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether this rank runs the last stage: its loss sums are the ones that count."""
+        return self.is_last
+
+    def sum_over_stages(self, t: Tensor) -> None:
+        """t summed over the pipeline's ranks, in place (the last stage's sums, on every stage)."""
+        dist.all_reduce(t, group=self.across_stages)
+
+    def describe(self) -> str:
+        """' | pipeline ...' for the start-up line: the schedule, its micro-batches and the stages per rank."""
+        return (f" | pipeline {self.schedule_name}, {self.n_microbatches} micro-batches per data-parallel rank, "
+                f"{len(self.stages)} of {self.n_stages} stages per rank")
 
     @property
     def is_first(self) -> bool:
@@ -177,60 +207,49 @@ class Pipeline:
         self.sums.append(torch.stack([objective.detach() - self.z_loss * z_sum, z_sum]))
         return objective * self.scale
 
-    def forward_backward(self, micro_batches, n_targets: int, dp_size: int, device,
-                         mesh: DeviceMesh | None = None, moe=None) -> tuple[Tensor, Tensor]:
-        """training/step.forward_backward under PP: this data-parallel rank's micro-batches joined (under CP, this
-        rank's slice of them: context_parallel.shard_batch, with mesh), run through the schedule. Returns (summed
-        token cross-entropy, summed logsumexp^2) of this rank's part of the batch on every stage (collective over
-        the pp group). moe: an MoE model's training.step.MoEStats, which gets this rank's layers' expert counts and
-        aux losses of every micro-batch (see moe_hook)."""
+    def forward_backward(self, micro_batches, n_targets: int, hooks: list[StepHook] = ()) -> tuple[Tensor, Tensor]:
+        """runner.OneStage.forward_backward under PP: this data-parallel rank's micro-batches joined (under CP, this
+        rank's slice of them: context_parallel.shard_batch), run through the schedule. Returns (summed token
+        cross-entropy, summed logsumexp^2) of this rank's part of the batch on every stage (collective over the
+        pipeline's group). hooks: measured after each micro-batch's forward of each stage (see aux_hook)."""
+        device = self.device
         inputs = torch.cat([i for i, _ in micro_batches]).to(device, non_blocking=True)
         labels = torch.cat([t for _, t in micro_batches]).to(device, non_blocking=True)
-        inputs, labels, layout = shard_batch(self.model, inputs, labels, mesh)
+        inputs, labels, layout = shard_batch(self.model, inputs, labels, self.mesh.cp)
         layout = self.documents(inputs, layout)
-        self.scale, self.sums = dp_size / n_targets, []
+        self.scale, self.sums = self.mesh.size("loss") / n_targets, []
         args = (inputs,) if self.is_first else ()
         # Every stage's blocks take the RoPE positions (and documents); the schedule splits them with the batch.
         kwargs = {"layout": layout} if layout is not None else {}
         records: list = []
-        hooks = [module.register_forward_hook(functools.partial(self.moe_hook, records, index))
-                 for index, module in self.stages] if moe is not None else []
+        handles = [module.register_forward_hook(functools.partial(self.aux_hook, hooks, records, index))
+                   for index, module in self.stages] if hooks else []
         try:
             with self.context():
                 self.schedule.step(*args, target=labels if self.is_last else None, return_outputs=False, **kwargs)
         finally:
-            for h in hooks:
+            for h in handles:
                 h.remove()
-        if moe is not None:
-            self.add_moe(moe, records)
+        # The first step's schedule also runs a forward to infer the shapes: each stage's last n_microbatches count.
+        for index, _ in self.stages:
+            for hook, record in [(h, r) for i, h, r in records if i == index][-self.n_microbatches:]:
+                hook.add(record)
         # The first step's schedule also calls loss_fn to infer the shapes of the gradients: the micro-batches'
         # calls are the last n_microbatches.
         mine = self.sums[-self.n_microbatches:] if self.is_last else []
         sums = torch.stack(mine).sum(0) if mine else torch.zeros(2, device=device)
-        dist.all_reduce(sums, group=self.group)  # the last stage's, on every stage
+        self.sum_over_stages(sums)  # the last stage's, on every stage
         return sums[0], sums[1]
 
-    def moe_hook(self, records: list, index: int, module: nn.Module, args, output: Tensor) -> Tensor:
-        """A forward hook on stage index's module: its MoE layers' expert counts and aux losses of the micro-batch
-        just run, appended to records; the aux losses' gradient joins the stage output's backward (_WithAux), scaled
-        as the loss (the stages after the first cannot add them to the loss the last stage takes)."""
-        layers = moe_layers(module)
-        if not layers:
-            return output
-        losses = [m.aux_loss for m in layers if m.aux_loss is not None]
-        aux = torch.stack(losses).sum() if losses else None
-        records.append((index, torch.stack([m.counts for m in layers]), None if aux is None else aux.detach()))
+    def aux_hook(self, hooks: list[StepHook], records: list, index: int, module: nn.Module, args, output: Tensor
+                 ) -> Tensor:
+        """A forward hook on stage index's module: the step hooks' records of the micro-batch just run, appended to
+        records as (index, hook, record); their auxiliary losses' gradient joins the stage output's backward
+        (_WithAux), scaled as the loss (the stages after the first cannot add them to the loss the last stage takes)."""
+        mine: list = []
+        aux = aux_of(hooks, module, mine)
+        records.extend((index, hook, record) for hook, record in mine)
         return output if aux is None else _WithAux.apply(output, aux * self.scale)
-
-    def add_moe(self, moe, records: list) -> None:
-        """Each stage's last n_microbatches records (the schedule's first step also runs a forward to infer shapes)
-        added into moe's counts and aux sum."""
-        for index, module in self.stages:
-            rows = [moe.layers.index(m) for m in moe_layers(module)]
-            for _, counts, aux in [r for r in records if r[0] == index][-self.n_microbatches:]:
-                moe.counts[rows] += counts
-                if aux is not None:
-                    moe.aux_sum += aux
 
     def documents(self, inputs: Tensor, layout: SequenceLayout | None) -> SequenceLayout | None:
         """layout, or under model.document_mask without CP the whole windows' (model.slice_layout of inputs
@@ -255,26 +274,29 @@ class Pipeline:
             if index > 0 and self.stage_rank[index - 1] != self.stage_rank[index]:
                 b, t = inputs.shape
                 h = torch.empty(b, t // self.seq_split, self.model.args.dim, dtype=self.act_dtype, device=inputs.device)
-                dist.recv(h, group=self.group, group_src=self.stage_rank[index - 1])
+                dist.recv(h, group=self.across_stages, group_src=self.stage_rank[index - 1])
             last = index == self.n_stages - 1
             h = module(h, layout=layout, head=head) if last else module(h, layout=layout)
             if not last and self.stage_rank[index + 1] != self.stage_rank[index]:
-                dist.send(h.contiguous(), group=self.group, group_dst=self.stage_rank[index + 1])
+                dist.send(h.contiguous(), group=self.across_stages, group_dst=self.stage_rank[index + 1])
         return h if self.is_last else None
 
     def forward_loss(self, inputs: Tensor, labels: Tensor, layout: SequenceLayout | None = None) -> Tensor:
         """Summed token cross-entropy of a batch (batch, seq), fp32 0-dim: on the last stage's rank, 0 on the others
         (run)."""
-        logits = self.run(inputs, layout)
-        if logits is None:
-            return torch.zeros((), device=inputs.device)
-        return logits_loss_sums(logits, labels).objective  # under the caller's loss context (validation's)
+        with self.context():
+            logits = self.run(inputs, layout)
+            if logits is None:
+                return torch.zeros((), device=inputs.device)
+            return logits_loss_sums(logits, labels).objective
 
-    def token_logprobs(self, inputs: Tensor, targets: Tensor, vocab_parallel: bool = False) -> Tensor:
-        """nn.loss.token_logprobs through the stages: (batch, seq) fp32 on every rank (collective over the pp group)."""
-        nll = self.run(inputs, head=nll_head(targets, vocab_parallel))
+    def token_logprobs(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """nn.loss.token_logprobs through the stages: (batch, seq) fp32 on every rank (collective over the pipeline's
+        group)."""
+        with self.context():
+            nll = self.run(inputs, head=nll_head(targets, self.vocab_parallel))
         logp = -nll if nll is not None else torch.zeros(targets.shape, device=targets.device)
-        dist.all_reduce(logp, group=self.group)  # the last stage's, on every stage
+        self.sum_over_stages(logp)  # the last stage's, on every stage
         return logp
 
 
@@ -302,9 +324,9 @@ def default_microbatches(pp: int, local_batch: int, schedule: str = "1F1B") -> i
     return max([m for m in fits if m <= 4 * pp] or fits[:1] or [min_microbatches(pp, schedule)])
 
 
-def build_pipeline(model: Transformer, mesh: DeviceMesh, device: torch.device, schedule: str,
+def build_pipeline(model: Transformer, mesh: Mesh, device: torch.device, schedule: str,
                    microbatches: int, z_loss: float, act_dtype: torch.dtype) -> Pipeline:
-    """The Pipeline of model (pruned to this rank's stages and parallelized) over mesh's "pp" dimension.
+    """The Pipeline of model (pruned to this rank's stages and parallelized) over the pipeline's group, mesh.pp.
 
     Under TP the stages pass on this rank's part of the sequence (sequence parallelism), and the
     loss and its backward run under loss_parallel (nn.loss.loss_context).
@@ -312,14 +334,12 @@ def build_pipeline(model: Transformer, mesh: DeviceMesh, device: torch.device, s
     # Imported here, not at the top: it loads torch._dynamo (0.6 s), which hf.py and generate.py never need.
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    pp_mesh = mesh["pp"]
-    group, pp = pp_mesh.get_group(), pp_mesh.size()
+    group, pp = mesh.pp.get_group(), mesh.pp.size()
     stages = stage_modules(model)
     n_stages = pp * len(stages)
     stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(stages), schedule)}
-    tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
-    pipe = Pipeline(model, None, group, stages, n_stages, z_loss, act_dtype, microbatches, stage_rank,
-                    seq_split=tp, context=loss_context(mesh))
+    pipe = Pipeline(model, None, group, mesh, device, schedule, stages, n_stages, z_loss, act_dtype, microbatches,
+                    stage_rank, seq_split=mesh.size("tp"), vocab_parallel=mesh.tp is not None)
     built = [PipelineStage(module, index, n_stages, device, group=group) for index, module in stages]
     # loss_fn on every rank: the schedule runs a backward only when it has one (only the last stage calls it)
     cls = schedules.get_schedule_class(schedule)

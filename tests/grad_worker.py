@@ -14,7 +14,7 @@ saves with torch.save a dict:
 
     losses       [float]                 mean token loss of each step's global batch
     grad_norms   [float]                 pre-clip global gradient norm of each step
-    moe          [{str: float}]          an MoE model's train-record fields of each step (MoEStats.record)
+    moe          [{str: float}]          an MoE model's train-record fields of each step (the step hooks' record)
     grads        [{name: Tensor}]        each step's full fp32 gradients, keyed by parameter name
     replicated   {name: float}           after the last step, for parameters replicated over
                                          "tp": the largest |difference| between TP ranks' copies
@@ -38,8 +38,7 @@ import train_2d  # noqa: E402
 from config import parse_config  # noqa: E402
 from launch import job_list  # noqa: E402
 from parallel import distributed  # noqa: E402
-from parallel.context_parallel import cp_size, shard_batch  # noqa: E402
-from parallel.parallelize import loss_mesh  # noqa: E402
+from parallel.context_parallel import shard_batch  # noqa: E402
 from training.command import check_run  # noqa: E402
 from training.session import build  # noqa: E402
 from training.step import train_step  # noqa: E402
@@ -81,12 +80,12 @@ def run_job(argv: list[str]) -> None:
     if args.logits_of:
         tokens = torch.load(args.logits_of).to(device)
         with torch.no_grad():  # under parallel.cp each rank runs its slice of the windows, then they are joined
-            inputs, _, layout = shard_batch(s.model, tokens, tokens, s.mesh)
+            inputs, _, layout = shard_batch(s.model, tokens, tokens, s.mesh.cp)
             logits = s.model(inputs, layout=layout)
         logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).contiguous()
-        if cp_size(s.mesh) > 1:
-            parts = [torch.empty_like(logits) for _ in range(cp_size(s.mesh))]
-            dist.all_gather(parts, logits, group=s.mesh["cp"].get_group())
+        if s.mesh.cp is not None:
+            parts = [torch.empty_like(logits) for _ in range(s.mesh.size("cp"))]
+            dist.all_gather(parts, logits, group=s.mesh.cp.get_group())
             logits = torch.cat(parts, dim=1)
         result["logits"] = logits.cpu()
 
@@ -97,13 +96,13 @@ def run_job(argv: list[str]) -> None:
 
     for _ in range(cfg.train.steps):
         step = train_step(s, s.loader.next_step(), after_backward=keep_grads)  # the loop's own step
-        result["losses"].append(step.global_loss(loss_mesh(s.mesh).get_group()))
+        result["losses"].append(step.global_loss(s.mesh.loss.get_group()))
         result["grad_norms"].append(step.grad_norm.item())
-        if step.moe is not None:
-            result.setdefault("moe", []).append(step.moe.record(
-                step.n_targets, loss_mesh(s.mesh).get_group(), s.pipeline.group if s.pipeline is not None else None))
+        record = {k: v for hook in s.hooks for k, v in hook.record(step.n_targets).items()}
+        if record:
+            result.setdefault("moe", []).append(record)
     if args.tp > 1:
-        result["replicated"] = replica_spread(s.model, s.mesh["tp"])
+        result["replicated"] = replica_spread(s.model, s.mesh.tp)
     if rank == 0:
         torch.save(result, args.out)
     del s

@@ -14,7 +14,7 @@ from config import parse_config
 from launch import DEBUG, GRAD_STEPS, REFERENCE_BATCH, ROOT, debug_run, losses, metrics, prepared_data_dir
 from model import PRESETS, ModelArgs, Transformer
 from parallel import distributed
-from parallel.parallelize import ParallelConfig, shard_group_note
+from parallel.layout import Layout, ParallelConfig
 
 STEPS = GRAD_STEPS  # of the conftest `worker` fixture
 FAST = ["--checkpoint.interval", "1000", "--train.val_interval", "0"]
@@ -281,7 +281,7 @@ def test_gpu_node_preset_fits_its_layout():
     (8, 8, 1, 1, False),  # one node
 ])
 def test_a_notice_says_when_fsdp_shard_groups_span_nodes(world, local, replicate, tp, spans):
-    note = shard_group_note(ParallelConfig(tp=tp, dp_replicate=replicate), world, local)
+    note = Layout.of(ParallelConfig(tp=tp, dp_replicate=replicate), world).shard_group_note(local)
     assert bool(note) == spans, note
     if spans:
         assert f"--parallel.dp_replicate {world // local}" in note

@@ -25,6 +25,7 @@ from launch import DEBUG, REFERENCE_ARGS, ROOT, debug_run, losses, metrics, prep
 from model import PRESETS, ModelArgs, Transformer  # noqa: E402
 from parallel import (
     float8,  # noqa: E402
+    layout,  # noqa: E402
     parallelize,  # noqa: E402
 )
 from storage.rundir import RunDir  # noqa: E402
@@ -97,8 +98,8 @@ def test_float8_on_a_gpu_below_compute_capability_8_9_is_refused(monkeypatch):
 
 
 def _build(args: ModelArgs, recipe: str, compile: bool = False):
-    mesh = parallelize.build_mesh(CPU, 1)
-    return parallelize.build_model(args, mesh, CPU, 0, parallelize.ParallelConfig(), compile=compile,
+    mesh = layout.build_mesh(CPU, 1)
+    return parallelize.build_model(args, mesh, CPU, 0, layout.ParallelConfig(), compile=compile,
                                    float8_recipe=recipe)
 
 

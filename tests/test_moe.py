@@ -33,9 +33,9 @@ from model import ModelArgs, Transformer, flops_per_token, num_params
 from nn.moe import MoE
 from optimization.muon import MuonAdamW
 from parallel import distributed
+from parallel.hooks import MoEHook, aux_of
 from test_muon import newton_schulz_reference
 from test_parametrization import LEGACY, LEGACY_FLAGS
-from training.step import MoEStats
 
 TINY = dict(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=64, ffn_dim=48, max_seq_len=16)
 MOE = ["--model.n_experts", "4", "--model.experts_per_token", "2"]
@@ -172,11 +172,12 @@ def test_the_bias_update_evens_out_a_skewed_router(rate):
     with torch.no_grad():
         model(x)
         start = _max_load(moe.counts)
+        hook = MoEHook(model, None, "cpu", moe.n_experts, False, rate)  # the step's own bias update, one process
         for _ in range(200):
-            stats = MoEStats.of(model, "cpu")
+            hook.begin()
             model(x)
-            stats.collect()
-            stats.update_bias(rate)
+            aux_of([hook], model)
+            hook.after_update(True)
     assert start > 2.5
     if rate:
         assert _max_load(moe.counts) < 1.3

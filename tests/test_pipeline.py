@@ -25,7 +25,7 @@ from launch import (
 from model import ModelArgs, Transformer
 from parallel import distributed
 from parallel.compose import pipeline_notice
-from parallel.parallelize import ParallelConfig
+from parallel.layout import ParallelConfig
 from parallel.pipeline import default_microbatches
 from parallel.pipeline_stages import PassThrough, prune, rank_stages, stage_layers, stage_modules
 

@@ -37,7 +37,7 @@ def test_validation_loss_is_the_plain_models_and_leaves_the_parameters_sharded(
     s = build(cfg, 0, 1, torch.device("cpu"), resume=False)
     train_step(s, s.loader.next_step())  # trained weights, and the step's backward resharded
     (vs,) = validation.val_batches(s.corpus, 8, 3, 0, 1)
-    total, count = validation.loss_sum_and_count(s.model, vs, s.device, s.mesh, None, cfg.train.loss_chunk_size)
+    total, count = validation.loss_sum_and_count(s.runner, vs, None)
     groups = [m._get_fsdp_state()._fsdp_param_group for m in s.model.modules() if isinstance(m, FSDPModule)]
     assert groups and all(g is None or g.is_sharded for g in groups)
 

@@ -18,8 +18,9 @@ from checkpoint import complete_checkpoints
 from config import Config, compute_dtype, parse_config, validate
 from core.errors import PeerError, SetupError, UserError, report, require
 from parallel import distributed
+from parallel.layout import Layout
 from parallel.memory import check_fits, rank_memory
-from parallel.parallelize import TPPlan, shard_group_note
+from parallel.parallelize import TPPlan
 from storage.rundir import forget_exit_record, lock_run_dir
 from training.loop import exit_status, train
 from training.resume import checkpoint_tokenizer, source_tokenizer
@@ -53,7 +54,7 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
         if note and int(os.environ.get("RANK", 0)) == 0:
             print(f"[train] {note}", flush=True)
     validate(cfg, world_size)
-    note = shard_group_note(cfg.parallel, world_size, distributed.local_world_size())
+    note = Layout.of(cfg.parallel, world_size).shard_group_note(distributed.local_world_size())
     if note and int(os.environ.get("RANK", 0)) == 0:
         print(note, flush=True)
     device = distributed.resolve_device(cfg.train.device)

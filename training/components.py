@@ -18,7 +18,6 @@ from evaluation.validation import loss_sum_and_count, val_batches, val_record
 from observability.metrics import MetricsLog, peak_memory_gib
 from observability.profiling import StepProfiler, parse_steps
 from observability.progress import Progress
-from parallel.parallelize import dp_mesh, loss_mesh
 from training.session import Session
 from training.step import StepResult
 
@@ -48,7 +47,7 @@ class Metrics:
     def __init__(self, s: Session, log: MetricsLog, progress: Progress, flops_per_token: float, peak_flops: float):
         self.s, self.log, self.progress = s, log, progress
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.loss_group = loss_mesh(s.mesh).get_group()  # the ranks holding their own tokens: data-parallel x CP
+        self.loss_group = s.mesh.loss.get_group()  # the ranks holding their own tokens: data-parallel x CP
         self.t_last, self.tokens_last = time.perf_counter(), s.train_state.tokens_seen
 
     def due(self, step: int, result: StepResult) -> bool:
@@ -66,9 +65,8 @@ class Metrics:
                   "peak_mem_gib": peak_memory_gib(self.s.device), **self.s.loader.source_tokens()}
         if cfg.train.z_loss:
             record["z_loss"] = cfg.train.z_loss * z
-        if result.moe is not None:
-            record.update(result.moe.record(result.n_targets, self.loss_group,
-                                            self.s.pipeline.group if self.s.pipeline is not None else None))
+        for hook in self.s.hooks:
+            record.update(hook.record(result.n_targets))
         if result.skipped:
             record["skipped"] = True
             record["skip_reason"] = result.skipped
@@ -104,8 +102,8 @@ class Validation:
         self.s, self.log, self.progress = s, log, progress
         t = s.cfg.train
         self.sets = val_batches(s.corpus, t.val_batches * t.global_batch_size, s.micro_batch_size,
-                                dp_mesh(s.mesh).get_local_rank(), s.dp)
-        self.loss_group = loss_mesh(s.mesh).get_group()
+                                s.mesh.local_rank("data"), s.dp)
+        self.loss_group = s.mesh.loss.get_group()
 
     def notice(self) -> str:
         """One line for the start when the corpus, or a source of a mixture, has too few held-out windows to be
@@ -125,9 +123,7 @@ class Validation:
 
     def run(self, step: int, result: StepResult) -> None:
         s = self.s
-        sums = {v.name: loss_sum_and_count(s.model, v, s.device, s.mesh, self.loss_group,
-                                           s.cfg.train.loss_chunk_size, s.pipeline)
-                for v in self.sets}  # each source alone
+        sums = {v.name: loss_sum_and_count(s.runner, v, self.loss_group) for v in self.sets}  # each source alone
         record = val_record({name: total / count for name, (total, count) in sums.items()}, self.sets)
         self.log.write({"step": step, **record})
         # A mixture's val_loss averages its sources: one noisy source can hide a clean one's, so each is shown.
@@ -146,9 +142,9 @@ class Scoring:
         return self.s.cfg.eval.due(step, self.s.cfg.train.steps)
 
     def run(self, step: int, result: StepResult) -> None:
-        s, data_parallel = self.s, dp_mesh(self.s.mesh)
-        record = evaluate_tasks(s.model, s.tasks, s.device, s.mesh, data_parallel.get_local_rank(), s.dp,
-                                data_parallel.get_group(), s.micro_batch_size * s.cfg.data.seq_len, s.pipeline)
+        s = self.s
+        record = evaluate_tasks(s.runner, s.tasks, s.mesh.local_rank("data"), s.dp, s.mesh.data.get_group(),
+                                s.micro_batch_size * s.cfg.data.seq_len)
         self.log.write({"step": step, **record})
         self.progress.write(f"[eval] step {step}: " + ", ".join(f"{k[5:]} {v:.4f}" for k, v in record.items()))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 import hf
 from checkpoint import AppState, Checkpointer
@@ -21,10 +20,10 @@ from data_pipeline import datacache
 from data_pipeline.loader import DataState, GlobalBatchLoader
 from evaluation.downstream import Task, load_tasks
 from model import num_params
-from nn.loss import has_tp
 from optimization.optimizers import scale_lr
 from parallel import distributed
-from parallel.parallelize import TPPlan, build_mesh, copy_sharded, dp_mesh
+from parallel.layout import Layout, Mesh
+from parallel.parallelize import TPPlan, copy_sharded
 from prepare import prepare_on_all_ranks
 from storage.rundir import RunDir
 from training.resume import claim_checkpoint_dir, resume_point
@@ -55,10 +54,8 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     tp_plan: train_2d.py's plan, used when cfg.parallel.tp > 1. Raises SetupError (on every
     rank) for bad data or a checkpoint that does not fit the model.
     """
-    mesh = build_mesh(device, world_size, cfg.parallel.tp, cfg.parallel.dp_replicate, cfg.parallel.cp,
-                      cfg.parallel.ep, cfg.parallel.pp)
-    data_parallel = dp_mesh(mesh)
-    dp = data_parallel.size()
+    mesh = Layout.of(cfg.parallel, world_size).build(device)
+    dp = mesh.size("data")
     torch.manual_seed(cfg.train.seed)
 
     ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.root(cfg.run_dir), rank, cli.to_toml(cfg))
@@ -83,7 +80,7 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
     micro = cfg.train.micro_batch(dp)
     data_state = DataState()
     loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                               data_parallel.get_local_rank(), dp, cfg.train.seed, data_state,
+                               mesh.local_rank("data"), dp, cfg.train.seed, data_state,
                                cfg.train.batch_schedule()[1:], cfg.train.skip_ranges())
 
     tr = build_trainable(cfg, rank, mesh, device, tp_plan)
@@ -99,10 +96,10 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
                    resumed_from=path, resume_note=note, tasks=tasks)
 
 
-def loss_description(cfg: Config, mesh: DeviceMesh) -> str:
+def loss_description(cfg: Config, mesh: Mesh) -> str:
     """How the loss is computed, for the start-up line (says when loss_chunk_size is not applied)."""
     chunk = cfg.train.loss_chunk_size
-    if has_tp(mesh):
+    if mesh.tp is not None:
         loss = "vocab-parallel" + (" (train.loss_chunk_size is not applied under tp)" if chunk else "")
     else:
         loss = f"in chunks of {chunk} tokens" if chunk else "on full logits"
@@ -136,22 +133,12 @@ def start_line(s: Session, fpt: float) -> str:
     cfg, mesh = s.cfg, s.mesh
     start = (f"resumed from {s.resumed_from} at step {s.train_state.step}" if s.resumed_from else
              f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start")
-    return (f"[train] mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))} device {s.device.type} {cfg.train.dtype} | "
+    return (f"[train] mesh {mesh.describe()} device {s.device.type} {cfg.train.dtype} | "
             f"params {params_description(cfg.model)}{parametrization_note(cfg)} | {fpt / 1e6:.1f} MFLOP/token | "
             f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
             f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
-            + pipeline_description(s)
+            + s.runner.describe()
             + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))
-
-
-def pipeline_description(s: Session) -> str:
-    """' | pipeline ...' (for the start-up line): the schedule, its micro-batches (chosen when
-    parallel.pp_microbatches is 0) and the stages per rank; '' without pipeline parallelism."""
-    if s.pipeline is None:
-        return ""
-    p = s.pipeline
-    return (f" | pipeline {s.cfg.parallel.pp_schedule}, {p.n_microbatches} micro-batches per data-parallel rank, "
-            f"{len(p.stages)} of {p.n_stages} stages per rank")
 
 
 def guard_description(s: Session) -> str:

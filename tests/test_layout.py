@@ -1,0 +1,94 @@
+"""parallel/layout.py: every rank's groups by role, against groups written out by hand and against the groups
+DeviceMesh itself makes (one process, the fake process group, at world sizes this machine cannot run)."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from core.errors import SetupError
+from parallel.layout import ROLES, Layout, ParallelConfig
+
+
+def test_groups_of_a_pipeline_over_tensor_parallel_ranks_are_the_ones_written_out_by_hand():
+    # world 8 = pp 2 x dp 2 x tp 2: rank = 4 pp + 2 dp + tp
+    lay = Layout.of(ParallelConfig(pp=2, tp=2), 8)
+    assert lay.coords(6) == {"pp": 1, "dp": 1, "tp": 0}
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("data") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert lay.groups("loss") == lay.groups("fsdp") == lay.groups("data")
+    assert lay.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups("same_params") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.groups("cp") == lay.groups("ep") == [[r] for r in range(8)]  # no such group: each rank alone
+    assert lay.stages(5) == [1] and lay.size("tp") == 2 and lay.size("cp") == 1
+
+
+def test_groups_of_hsdp_with_context_parallelism_and_of_expert_parallelism_are_the_ones_written_out_by_hand():
+    # world 8 = dp_replicate 2 x dp_shard 2 x cp 2: rank = 4 replica + 2 shard + cp
+    lay = Layout.of(ParallelConfig(dp_replicate=2, cp=2), 8)
+    assert lay.groups("data") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert lay.groups("cp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("loss") == lay.groups("fsdp") == [list(range(8))]
+    # world 8 = dp_mod_ep 2 x ep 4: consecutive ranks form an EP group; every 4th holds the same experts
+    lay = Layout.of(ParallelConfig(ep=4), 8)
+    assert lay.groups("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert lay.groups("experts_fsdp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.groups("data") == [list(range(8))]
+    assert list(lay.experts(6, 8)) == [4, 5]
+
+
+def test_an_interleaved_pipeline_puts_stage_r_and_r_plus_pp_on_rank_r_and_a_v_schedule_folds_back():
+    assert Layout.of(ParallelConfig(pp=4, pp_schedule="Interleaved1F1B"), 4).stages(1) == [1, 5]
+    assert Layout.of(ParallelConfig(pp=4, pp_schedule="ZBVZeroBubble"), 4).stages(1) == [1, 6]
+
+
+LAYOUTS = [(ParallelConfig(), 4), (ParallelConfig(tp=2), 8), (ParallelConfig(dp_replicate=2, cp=2), 16),
+           (ParallelConfig(pp=2, dp_replicate=2, tp=2), 16), (ParallelConfig(ep=4, dp_replicate=2), 16),
+           (ParallelConfig(pp=2, ep=2, pp_schedule="Interleaved1F1B"), 8), (ParallelConfig(pp=2, cp=2, tp=2), 64)]
+
+
+def _ranks(m) -> list[int]:
+    if isinstance(m, dist.ProcessGroup):
+        return dist.get_process_group_ranks(m)
+    return dist.get_process_group_ranks(m.get_group() if m.ndim == 1 else m._flatten().get_group())
+
+
+@pytest.mark.parametrize("cfg, world", LAYOUTS, ids=[f"w{w}-{i}" for i, (_, w) in enumerate(LAYOUTS)])
+def test_the_meshes_layout_builds_hold_the_ranks_it_computes_for_every_role(cfg, world):
+    lay = Layout.of(cfg, world)
+    lay.check()
+    for rank in sorted({0, 1, world // 2 + 1, world - 1}):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = lay.build("cpu")
+            for role in ROLES:
+                built = getattr(mesh, role)
+                assert (built is None) == (not lay.role_dims(role)) or role == "same_params", role
+                if built is not None:
+                    assert _ranks(built) == lay.members(role, rank), (role, rank)
+                assert mesh.size(role) == len(lay.members(role, rank))
+        finally:
+            dist.destroy_process_group()
+
+
+def test_a_layout_of_4096_ranks_lists_every_rank_without_starting_anything():
+    lay = Layout.of(ParallelConfig(pp=4, dp_replicate=4, tp=8, pp_schedule="Interleaved1F1B"), 4096)
+    lay.check(local_world_size=8)
+    table = lay.table()
+    assert len(table) == 4096 and not dist.is_initialized()
+    assert table[4095] == ("rank 4095 {'pp': 3, 'dp_replicate': 3, 'dp_shard': 31, 'tp': 7} data 3079-4095 step 8 "
+                           "loss 3079-4095 step 8 fsdp 3079-4095 step 8 tp 4088-4095 pp 1023-4095 step 1024 "
+                           "same_params 3072-4095 stages [3, 7]")
+    for role in ROLES:  # each role's groups split the world
+        assert sorted(r for g in lay.groups(role) for r in g) == list(range(4096)), role
+
+
+@pytest.mark.parametrize("cfg, world, local, words", [
+    (ParallelConfig(tp=3), 8, 8, "world size 8 is not divisible by parallel.tp (3)"),
+    (ParallelConfig(dp_replicate=3), 8, 8, "parallel.dp_replicate (3) does not divide the 8 data-parallel rank(s)"),
+    (ParallelConfig(ep=4), 6, 6, "parallel.ep (4) does not divide the 6 data-parallel shard rank(s)"),
+    (ParallelConfig(tp=4), 8, 2, "parallel.tp (4) does not divide the 2 process(es) of this node"),
+])
+def test_a_layout_that_does_not_split_the_ranks_is_refused_naming_the_numbers(cfg, world, local, words):
+    with pytest.raises(SetupError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Layout.of(cfg, world).check(local)
