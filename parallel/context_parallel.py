@@ -15,7 +15,7 @@ Per layer and rank, forward: the all-to-alls of q, k, v and the output move
 (2 n_heads + 2 n_kv_heads) x head_dim x (batch x seq / cp) elements in, of which (cp - 1) / cp
 leave the rank; the backward moves the same again (docs/long_context.md).
 
-RoPE positions and document ids are those of the whole windows (model.slice_layout): a document
+RoPE positions and document ids are those of the whole windows (nn/documents.slice_layout): a document
 that crosses a slice boundary keeps its positions, and the mask the kernel applies over the
 whole sequence is the whole windows' one. FSDP shards parameters over the data-parallel and
 CP ranks together (parallelize.fsdp_mesh), so CP adds no parameter memory, and gradients are
@@ -32,7 +32,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from core.errors import SetupError
-from model import SequenceLayout, Transformer, attention, slice_layout
+from model import Transformer, attention
+from nn.documents import SequenceLayout, slice_layout
 from nn.moe import MoE
 from parallel.pipeline_stages import PassThrough
 
@@ -122,7 +123,7 @@ def shard_batch(model: torch.nn.Module, inputs: Tensor, labels: Tensor, mesh: De
 
     inputs, labels: (batch, seq) int64, the same on every rank of a CP group. Returns
     inputs[:, lo:hi], labels[:, lo:hi] with [lo, hi) the rank's contiguous seq / cp slice, and
-    the slice's SequenceLayout computed from the whole inputs (model.slice_layout); without a
+    the slice's SequenceLayout computed from the whole inputs (nn/documents.slice_layout); without a
     "cp" dimension in mesh, (inputs, labels, None) unchanged.
     """
     cp = cp_size(mesh)
