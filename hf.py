@@ -55,6 +55,8 @@ from hf_format import (
 )
 from model import ModelArgs, Transformer
 from nn import parametrization
+from nn.moe_args import MOE_FIELDS, MOE_TRAINING_FIELDS
+from nn.roles import roles
 
 # ---------------------------------------------------------------- export
 
@@ -102,7 +104,8 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
 
     check_out(out_dir)
     with torch.device("meta"):  # shapes only, no memory
-        want = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+        whole = Transformer(args)
+    want = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in state.items()}
     if want != got:
         bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
@@ -122,7 +125,7 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
         raise HFError(f"--out '{out_dir}': cannot create a folder in '{parent}' ({e.strerror}); "
                       f"choose a writable location") from e
     try:
-        folded = parametrization.fold(args, state)  # the HF classes have no multipliers: the same function
+        folded = parametrization.fold(args, state, roles(whole))  # the HF classes have no multipliers: the same function
         tensors = {k: v.detach().to("cpu", torch.float32 if k.endswith("correction_bias") else dtype).contiguous()
                    for k, v in to_hf_tensors(folded, kind)}
         shards = _shards(tensors, max_shard_size)
@@ -270,8 +273,9 @@ def _open_safetensors(path: str):
 
 
 _SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta")
-_MOE_FIELDS = ("n_experts", "experts_per_token", "expert_hidden", "n_shared_experts", "moe_score", "moe_renormalize",
-               "moe_first_dense")
+# The MoE fields that shape the weights' function (training options may differ), expert_ffn_dim as the width it gives.
+_MOE_FIELDS = ("n_experts",) + tuple("expert_hidden" if k == "expert_ffn_dim" else k for k in MOE_FIELDS
+                                     if k not in MOE_TRAINING_FIELDS)
 
 
 def check_args(folder: str, args: ModelArgs) -> None:
@@ -368,7 +372,8 @@ def load_hf_into(model: Transformer, folder: str, copy_: Callable[[Tensor, Tenso
     # The folder is checked against the whole model's names and shapes, not this rank's: a pipeline stage lacks the
     # other stages' weights, which the folder must still hold (and nothing more), as at pp 1.
     with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in weights(Transformer(model.args)).items()}
+        whole = Transformer(model.args)
+    want, role = {k: tuple(v.shape) for k, v in weights(whole).items()}, roles(whole)
     params = weights(model)
     seen = set()
     for name, tensor in iter_hf_tensors(folder):
@@ -382,7 +387,7 @@ def load_hf_into(model: Transformer, folder: str, copy_: Callable[[Tensor, Tenso
             continue
         # An HF model has no multipliers: under mup/completep they come back out of the weights, so the
         # model computes the folder's function (and a folded export gets its own weights back).
-        tensor = parametrization.fold(model.args, {name: tensor}, inverse=True)[name]
+        tensor = parametrization.fold(model.args, {name: tensor}, role, inverse=True)[name]
         copy_(params[name], tensor.to(params[name].dtype))
     missing = sorted(set(want) - seen)
     if missing:

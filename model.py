@@ -15,13 +15,14 @@ Parallelism is applied from outside: attention infers its local head count from 
 of the projections, so the same code runs whole or with column-sharded ``wq``/``wk``/``wv``;
 its kernel is the replaceable ``Attention.attend`` (context_parallel.py swaps in Ulysses), and a
 forward on a slice of longer windows takes the slice's ``SequenceLayout`` (positions and the
-windows' documents, computed here from the whole windows by ``slice_layout``).
+windows' documents, computed from the whole windows by nn/documents.py's ``slice_layout``).
 Decoding (generate.py) runs this same forward with a ``KVCache`` per layer, unsharded.
 Under ``parametrization`` mup or completep (nn/parametrization.py) the init follows its table and
 constants of the shape multiply the embedding, the queries, the residual branches and the logits.
 With ``n_experts`` > 0 the feed-forward of every block past the first ``moe_first_dense`` is a
 mixture of experts (nn/moe.py: ``feed_forward.router``, ``.experts.w1/w2/w3``, ``.shared_experts``,
 the balancing buffer ``.expert_bias``); with 0, the default, the model is the dense one, bit for bit.
+Each module declares its own tensors' roles (``ROLES``, nn/roles.py), which init_weights reads.
 """
 from __future__ import annotations
 
@@ -34,16 +35,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from nn.moe import SCORES, MoE
+from nn.documents import SequenceLayout, block_causal_mask, block_mask, document_positions
+from nn.moe_args import MoEArgs, moe_feed_forward
 from nn.parametrization import check as check_parametrization
 from nn.parametrization import init_std, multipliers
+from nn.roles import Role, roles
 
 
 @dataclasses.dataclass
-class ModelArgs:
-    """Shape of a Llama decoder. Derived sizes are computed and validated on construction."""
+class LlamaArgs:
+    """The dense decoder's fields of ModelArgs (its MoE fields follow them: nn/moe_args.MoEArgs)."""
 
     dim: int = 768
     """Width of the residual stream (hidden size)."""
@@ -81,26 +84,11 @@ class ModelArgs:
     """mup/completep: the proxy's multiplier on the logits (a base multiplier; the logits carry it / m_N)."""
     mup_attn_mult: float = 1.0
     """mup/completep: the proxy's multiplier on the attention scores, q.k mup_attn_mult sqrt(base_head_dim) / head_dim (1: sp's scores at the proxy)."""
-    n_experts: int = 0
-    """Mixture of experts (nn/moe.py): routed experts per MoE feed-forward; 0 (default): every feed-forward is the dense SwiGLU MLP."""
-    experts_per_token: int = 0
-    """MoE: experts each token is routed to (token-choice top-k, dropless), in 1..n_experts."""
-    expert_ffn_dim: int = 0
-    """MoE: hidden width of each expert's SwiGLU; 0: ffn_dim."""
-    n_shared_experts: int = 0
-    """MoE: always-on experts of width expert_ffn_dim beside the routed ones (DeepSeek-V3, Llama 4)."""
-    moe_score: str = "sigmoid"
-    """MoE: router score function: 'sigmoid' per expert (DeepSeek-V3, the default: with the bias update it balanced best, docs/moe.md) or 'softmax' over the experts (Mixtral)."""
-    moe_renormalize: bool = True
-    """MoE: scale each token's k expert weights to sum to 1 (Mixtral, DeepSeek-V3); off: the raw scores."""
-    moe_first_dense: int = 0
-    """MoE: the first k layers keep the dense feed-forward (DeepSeek-V3 keeps 3); the others are MoE. In 0..n_layers-1."""
-    moe_aux_loss: float = 0.0
-    """MoE: coefficient of the Switch/Mixtral load-balancing loss, taken per sequence (0: off)."""
-    moe_router_z_loss: float = 0.0
-    """MoE: coefficient of the router z-loss, logsumexp(router logits)^2 per token (ST-MoE; 0: off)."""
-    moe_bias_update_rate: float = 0.01
-    """MoE: aux-loss-free balancing, the default (DeepSeek-V3's gamma; it used 0.001 over far longer runs): after each step every expert's routing bias moves by this toward even load (0: off)."""
+
+
+@dataclasses.dataclass
+class ModelArgs(MoEArgs, LlamaArgs):
+    """Shape of a Llama decoder. Derived sizes are computed and validated on construction."""
 
     def __post_init__(self) -> None:
         positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "max_seq_len")
@@ -121,52 +109,12 @@ class ModelArgs:
         if not 0 <= self.eot_id < self.vocab_size:
             raise ValueError(f"model.eot_id must be in 0..model.vocab_size-1 ({self.vocab_size - 1}), got {self.eot_id}")
         check_parametrization(self)
-        self._check_moe()
-
-    def _check_moe(self) -> None:
-        if self.n_experts < 0:
-            raise ValueError(f"model.n_experts must be >= 0 (0: dense), got {self.n_experts}")
-        if not self.n_experts:
-            default = ModelArgs.__dataclass_fields__
-            moe = [f for f in MOE_FIELDS if getattr(self, f) != default[f].default]
-            if moe:
-                raise ValueError(f"{', '.join('model.' + f for f in moe)} {'applies' if len(moe) == 1 else 'apply'} "
-                                 f"only to a mixture of experts; set --model.n_experts (and "
-                                 f"--model.experts_per_token), or drop them")
-            return
-        if not 1 <= self.experts_per_token <= self.n_experts:
-            raise ValueError(f"model.experts_per_token must be in 1..model.n_experts ({self.n_experts}), got "
-                             f"{self.experts_per_token}")
-        if self.expert_ffn_dim < 0:
-            raise ValueError(f"model.expert_ffn_dim must be >= 0 (0: model.ffn_dim), got {self.expert_ffn_dim}")
-        if self.n_shared_experts < 0:
-            raise ValueError(f"model.n_shared_experts must be >= 0, got {self.n_shared_experts}")
-        if self.moe_score not in SCORES:
-            raise ValueError(f"model.moe_score must be one of {', '.join(SCORES)}, got {self.moe_score!r}")
-        if not 0 <= self.moe_first_dense < self.n_layers:
-            raise ValueError(f"model.moe_first_dense must be in 0..model.n_layers-1 ({self.n_layers - 1}), got "
-                             f"{self.moe_first_dense}")
-        for name in ("moe_aux_loss", "moe_router_z_loss", "moe_bias_update_rate"):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"model.{name} must be a finite number >= 0 (0: off), got {getattr(self, name)}")
-
-    @property
-    def expert_hidden(self) -> int:
-        """Hidden width of each expert (expert_ffn_dim, or ffn_dim when 0)."""
-        return self.expert_ffn_dim or self.ffn_dim
-
-    def is_moe_layer(self, layer_id: int) -> bool:
-        """Whether block layer_id (0-based) has the MoE feed-forward (n_experts > 0 and past moe_first_dense)."""
-        return self.n_experts > 0 and layer_id >= self.moe_first_dense
+        self.check_moe()
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-
-MOE_FIELDS = ("experts_per_token", "expert_ffn_dim", "n_shared_experts", "moe_score", "moe_renormalize",
-              "moe_first_dense", "moe_aux_loss", "moe_router_z_loss", "moe_bias_update_rate")
-"""The MoE options besides n_experts: refused with n_experts 0 unless at their defaults."""
 
 PRESETS: dict[str, dict] = {
     # Tiny CPU model for the debug config and the tests.
@@ -223,6 +171,8 @@ class RMSNorm(nn.Module):
     the input dtype before the weight is applied.
     """
 
+    ROLES = {"weight": Role.NORM}
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -232,63 +182,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def document_positions(tokens: Tensor, eot_id: int) -> tuple[Tensor, Tensor]:
-    """(document ids, positions), each (batch, seq) int64, of packed windows tokens (batch, seq).
-
-    Each eot_id token starts a new document (it precedes every document in the stream); the
-    tokens before a window's first eot_id are the tail of a document that began earlier and
-    form document 0. Positions count from 0 at each document's first token.
-    """
-    is_start = tokens == eot_id
-    doc = is_start.long().cumsum(1)
-    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    start = torch.where(is_start, index, torch.zeros_like(index)).cummax(1).values
-    return doc, index - start
-
-
-def block_causal_mask(doc: Tensor) -> Tensor:
-    """SDPA's boolean mask (batch, 1, seq, seq): query i sees key j iff j <= i and both are in one document."""
-    seq = doc.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc.device).tril()
-    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
-
-
-def block_mask(doc: Tensor) -> BlockMask:
-    """FlexAttention's BlockMask of the same rule as block_causal_mask, for doc (batch, seq) on CUDA."""
-    def mask_mod(b, h, q, kv):
-        return (doc[b, q] == doc[b, kv]) & (q >= kv)
-
-    return create_block_mask(mask_mod, doc.shape[0], None, doc.shape[1], doc.shape[1], device=doc.device)
-
-
-@dataclasses.dataclass
-class SequenceLayout:
-    """Where a slice of tokens sits in its whole windows (context parallelism: one rank's share of each window).
-
-    positions: (batch, slice) int64, the RoPE position of every token of the slice, taken from
-    the whole windows' positions (restarting at each [EOT] under document_mask).
-    doc: (batch, seq) int64 document ids of the whole windows, for the attention mask that the
-    attention kernel applies over the whole sequence; None for plain causal attention.
-    """
-
-    positions: Tensor
-    doc: Tensor | None = None
-
-
-def slice_layout(tokens: Tensor, lo: int, hi: int, document_mask: bool, eot_id: int) -> SequenceLayout:
-    """The SequenceLayout of tokens[:, lo:hi] within whole windows tokens (batch, seq) int64.
-
-    Computed from the whole windows, so a document that crosses the slice boundary keeps its
-    positions and its mask. Under document_mask a batch without eot_id is plain causal (doc
-    None), as Transformer.forward does for whole windows.
-    """
-    if document_mask and bool((tokens == eot_id).any()):
-        doc, pos = document_positions(tokens, eot_id)
-        return SequenceLayout(pos[:, lo:hi].contiguous(), doc)
-    pos = torch.arange(lo, hi, device=tokens.device).expand(tokens.shape[0], hi - lo)
-    return SequenceLayout(pos, None)
 
 
 @functools.cache
@@ -342,6 +235,8 @@ class Attention(nn.Module):
     replace it from outside (context_parallel.py's Ulysses runs it over the whole sequence).
     """
 
+    ROLES = {"wq.weight": Role.QUERY, "wk.weight": Role.HIDDEN, "wv.weight": Role.HIDDEN, "wo.weight": Role.RESIDUAL}
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
@@ -376,6 +271,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x). Source: Shazeer, GLU Variants (2020)."""
 
+    ROLES = {"w1.weight": Role.HIDDEN, "w2.weight": Role.RESIDUAL, "w3.weight": Role.HIDDEN}
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
@@ -384,12 +281,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def moe_feed_forward(args: ModelArgs) -> MoE:
-    """The MoE feed-forward of args's shape (nn/moe.py)."""
-    return MoE(args.dim, args.n_experts, args.experts_per_token, args.expert_hidden, args.n_shared_experts,
-               args.moe_score, args.moe_renormalize, args.moe_aux_loss, args.moe_router_z_loss)
 
 
 class TransformerBlock(nn.Module):
@@ -419,6 +310,9 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Llama decoder: tokens (batch, seq) int64 -> logits (batch, seq, vocab_size) float32."""
 
+    ROLES = {"tok_embeddings.weight": Role.EMBEDDING, "output.weight": Role.READOUT, "rope_cos": Role.BUFFER,
+             "rope_sin": Role.BUFFER}
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
@@ -433,6 +327,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        roles(self)  # every parameter and buffer declares its role (raises otherwise)
         self.init_weights(seed=0)
 
     def forward(self, tokens: Tensor, head: Callable[[nn.Module, Tensor], Tensor] | None = None,
@@ -452,7 +347,7 @@ class Transformer(nn.Module):
         max_seq_len (the RoPE table) or the cache, or for start < 0 or start without a cache.
 
         layout (no cache): tokens are a slice of longer windows (context parallelism), with the
-        slice's RoPE positions and the whole windows' documents (see slice_layout); the mask
+        slice's RoPE positions and the whole windows' documents (see nn/documents.slice_layout); the mask
         is that of the whole windows, for an Attention.attend that attends over them.
         """
         seq_len = tokens.shape[1]
@@ -508,21 +403,20 @@ class Transformer(nn.Module):
         mask = block_mask(doc) if tokens.device.type == "cuda" else block_causal_mask(doc)
         return self.rope_cos[pos], self.rope_sin[pos], mask
 
-    def init_std(self, name: str) -> float | None:
-        """Initial std of a parameter by name; None for norm weights, which start at one.
-
-        Under sp, Normal(0, 0.02) as in GPT-2 and HF Llama (initializer_range); the projections
-        that write into the residual stream (wo, w2) are scaled by 1/sqrt(2 n_layers) (GPT-2,
-        sec. 2.3). mup and completep: nn/parametrization.py's table.
-        """
-        return init_std(self.args, name)
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables on their device (init_weights calls this, and each module's own)."""
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     @torch.no_grad()
     def init_weights(self, seed: int, copy_: Callable[[Tensor, Tensor], None] = Tensor.copy_) -> None:
         """Fill every parameter and buffer, deterministically from seed.
 
-        Each parameter's full value is drawn from its own generator, seeded by (seed, name),
-        so the result does not depend on world size, sharding or layer order, and no two
+        A parameter's std follows its declared role (nn/roles.py; nn/parametrization.init_std: Normal(0, 0.02) under
+        sp, GPT-2's 1/sqrt(2 n_layers) on the residual writers, norm weights at one); each module that holds
+        buffers resets them (reset_buffers). Each parameter's full value is drawn from its own generator, seeded
+        by (seed, name), so the result does not depend on world size, sharding or layer order, and no two
         layers repeat. copy_(param, full) writes the full value into the parameter; callers
         that hold sharded parameters pass a function that keeps only the local shard.
         Generation runs on the RoPE buffer's device (after to_empty: the training device).
@@ -530,11 +424,12 @@ class Transformer(nn.Module):
         device = self.rope_cos.device
         if device.type == "meta":
             return
-        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for module in self.modules():
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+        role = roles(self)
         for name, param in self.named_parameters():
-            std = self.init_std(name)
+            std = init_std(self.args, role[name])
             if std is None:
                 full = torch.ones(param.shape, device=device)
             else:
@@ -542,9 +437,6 @@ class Transformer(nn.Module):
                 gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 full = torch.empty(param.shape, device=device).normal_(0.0, std, generator=gen)
             copy_(param, full.to(param.dtype))
-        for name, buf in self.named_buffers():
-            if name.endswith("expert_bias"):  # MoE balancing starts neutral
-                buf.zero_()
 
 
 def num_params(a: ModelArgs, exclude_embedding: bool = False, active: bool = False) -> int:

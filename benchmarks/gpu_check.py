@@ -52,7 +52,8 @@ import gpu_speed  # noqa: E402
 import gpu_train_checks  # noqa: E402
 from core.cli import ArgumentParser, number  # noqa: E402
 from core.errors import one_line  # noqa: E402
-from model import PRESETS, ModelArgs, block_causal_mask, block_mask  # noqa: E402
+from model import PRESETS, ModelArgs  # noqa: E402
+from nn.documents import block_causal_mask, block_mask  # noqa: E402
 from nn.loss import token_loss_sum  # noqa: E402
 from parallel import distributed, layout, parallelize  # noqa: E402
 from parallel.runner import OneStage  # noqa: E402

@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from config import parse_config  # noqa: E402
+from nn.roles import roles  # noqa: E402
 from optimization.muon import is_muon_matrix  # noqa: E402
 from parallel import distributed  # noqa: E402
 from parallel.layout import build_mesh  # noqa: E402
@@ -27,9 +28,9 @@ from training.step import build_trainable, train_step  # noqa: E402
 
 def state_bytes(tr) -> int:
     """Bytes of this rank's optimizer state for the blocks' matrices (local shards)."""
-    total = 0
+    total, role = 0, roles(tr.model)
     for name, p in tr.model.named_parameters():
-        if is_muon_matrix(name):
+        if is_muon_matrix(role[name]):
             for v in tr.optimizer.state.get(p, {}).values():
                 if torch.is_tensor(v) and v.ndim:
                     total += (v.to_local() if hasattr(v, "to_local") else v).numel() * v.element_size()

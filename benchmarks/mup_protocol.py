@@ -53,6 +53,8 @@ VARIANTS = {
 AT_PROXY_NOOP = ("base_head_dim", "_lr:tok_embeddings", "_lrp:tok_embeddings", "_lrp:output", "_lr:norm.weight",
                  "_init:hidden", "_init:output")
 """Overrides that leave the proxy (base_dim = dim) as it is: its cached points serve every variant."""
+TARGETS = {"tok_embeddings": "EMBEDDING", "norm.weight": "NORM", "output": "READOUT"}
+"""The names the ablations give ("_lr:tok_embeddings") and the role (nn/roles.Role) of the parameters they named."""
 
 
 def corpus(workdir: str, dataset: str, max_documents: int | None):
@@ -109,12 +111,13 @@ def split_groups(build):
     import torch
 
     from nn import parametrization
+    from nn.roles import roles
 
     def wrapped(model, cfg, total_steps, **kw):
         opt, sched = build(model, cfg, total_steps, **kw)
-        groups = []
+        groups, role = [], roles(model)
         for name, p in model.named_parameters():
-            st = parametrization.optimizer_settings(model.args, name, False,
+            st = parametrization.optimizer_settings(model.args, role[name], False,
                                                     cfg.weight_decay if p.ndim >= 2 else 0.0, cfg.eps)
             groups.append({"params": [p], "lr": cfg.lr * st["lr_mult"], "weight_decay": st["weight_decay"],
                            "eps": st["eps"]})
@@ -129,19 +132,21 @@ def patch(patches: dict) -> None:
     parameter whose name starts or ends with NAME by m_N ** e (e.g. -1: the LR falls as 1/width), as
     build_optimizer groups them (by role: the first parameter of a group sets its LR, so the embedding's is the
     output's too); "_lrp:NAME" the same with one group per parameter; "_init:NAME" (or "_init:hidden": the hidden
-    matrices) multiplies the init std by m_N ** e."""
+    matrices) multiplies the init std by m_N ** e. NAME is read as the role of the parameters it named (TARGETS)."""
     from nn import parametrization
+    from nn.roles import Role
 
     plain = parametrization.optimizer_settings
 
-    def settings(args, name, muon, weight_decay, eps):
-        out = dict(plain(args, name, muon, weight_decay, eps))
+    def hit(role, t):
+        return role is not None and (role.hidden if t == "hidden" else role is Role[TARGETS[t]])
+
+    def settings(args, role, muon, weight_decay, eps):
+        out = dict(plain(args, role, muon, weight_decay, eps))
         if args is not None and args.parametrization != "sp":
             m = parametrization.multipliers(args).width
             for k, e in patches.items():
-                n = name.replace("_orig_mod.", "")
-                t = k.split(":", 1)[1]
-                if k.startswith(("_lr:", "_lrp:")) and (n.startswith(t) or n.endswith(t)):
+                if k.startswith(("_lr:", "_lrp:")) and hit(role, k.split(":", 1)[1]):
                     out["lr_mult"] *= m ** e
         return out
 
@@ -150,14 +155,12 @@ def patch(patches: dict) -> None:
 
     plain_init = model_module.init_std
 
-    def init(args, name):
-        std = plain_init(args, name)
+    def init(args, role):
+        std = plain_init(args, role)
         if std is not None and args.parametrization != "sp":
             m = parametrization.multipliers(args).width
             for k, e in patches.items():
-                t = k.split(":", 1)[1]
-                hit = parametrization.is_hidden(name) if t == "hidden" else name.startswith(t)
-                if k.startswith("_init:") and hit:
+                if k.startswith("_init:") and hit(role, k.split(":", 1)[1]):
                     std *= m ** e
         return std
 

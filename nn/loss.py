@@ -198,7 +198,7 @@ def token_loss_sum(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.T
     its device. chunk_size > 0: the output projection and loss run chunk by chunk (see
     chunked_cross_entropy_sum); 0: on the full logits. Returns a 0-dim fp32 tensor (a
     replicated DTensor under loss_parallel: see scalar). Call inside loss_context(mesh), and
-    with chunk_size 0 under tensor parallelism. layout: the model.SequenceLayout of inputs
+    with chunk_size 0 under tensor parallelism. layout: the nn/documents.SequenceLayout of inputs
     and labels when they are one CP rank's slice of longer windows (context_parallel.shard_batch).
     """
     kw = {} if layout is None else {"layout": layout}  # other model classes (benchmarks) take no layout

@@ -24,13 +24,15 @@ The routed experts are 3-D parameters: w1, w3 (n_experts, expert_ffn_dim, dim), 
 (n_experts, dim, expert_ffn_dim). Tokens are sorted by expert and each projection is one
 grouped matmul: torch._grouped_mm on CUDA in bf16 where it exists, else a loop over the
 experts with the same math (chosen by device, as optimization/muon.py chooses its Newton-Schulz).
-Layer 1: imports torch only; no distributed code.
+Layer 1: imports torch and nn/roles.py only; no distributed code.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from nn.roles import Role
 
 SCORES = ("softmax", "sigmoid")
 
@@ -61,6 +63,8 @@ def grouped_mm_cuda(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU experts held as 3-D parameters (FeedForward's math per expert)."""
 
+    ROLES = {"w1": Role.EXPERTS, "w2": Role.EXPERTS_RESIDUAL, "w3": Role.EXPERTS}
+
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
@@ -87,6 +91,8 @@ def swiglu_experts(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor
 class SharedExperts(nn.Module):
     """The always-on experts, fused into one SwiGLU MLP of width n_shared_experts * expert_ffn_dim (DeepSeek-V3)."""
 
+    ROLES = {"w1.weight": Role.HIDDEN, "w2.weight": Role.RESIDUAL, "w3.weight": Role.HIDDEN}
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -111,6 +117,8 @@ class MoE(nn.Module):
     None when both coefficients are 0.
     """
 
+    ROLES = {"router.weight": Role.ROUTER, "expert_bias": Role.BUFFER}
+
     def __init__(self, dim: int, n_experts: int, experts_per_token: int, expert_ffn_dim: int,
                  n_shared_experts: int = 0, score: str = "softmax", renormalize: bool = True,
                  aux_coef: float = 0.0, z_coef: float = 0.0):
@@ -129,6 +137,10 @@ class MoE(nn.Module):
         # Context parallelism gives each rank a slice of every sequence; the balance loss needs the whole
         # sequence's choices, so parallel/ sets this to a sum over the CP group (no autograd). None: identity.
         self.sequence_sum = None
+
+    def reset_buffers(self) -> None:
+        """Balancing starts neutral: expert_bias zero (the model's init_weights calls this)."""
+        self.expert_bias.zero_()
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(expert ids (tokens, k) int64, weights (tokens, k), scores (tokens, E), router logits (tokens, E)) of x

@@ -56,27 +56,22 @@ completep differs from it only in wo/w2's init (tests/test_parametrization.py). 
 (benchmarks/results/cpu-2core_2026-12-04_mup_fix.md): the former scores q.k / head_dim put mup's proxy
 1/sqrt(head_dim) below sp's attention and made the transferred model worse than sp tuned at its width.
 Everything here is a plain constant of the model's shape; no distributed code. `args` is a model.ModelArgs (duck-typed: this module
-sits below model.py).
+sits below model.py). Which row of the table a parameter follows is the role its module declares (nn/roles.py):
+"hidden" is Role.hidden (the blocks' matrices and routed experts), "wo w2" Role.writes_residual, "output" Role.READOUT;
+an MoE's router (Role.ROUTER, output-like: its fan-out n_experts does not grow) keeps 0.02, lr and no multiplier.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from nn.roles import Role
+
 PARAMETRIZATIONS = ("sp", "mup", "completep")
 INIT_STD = 0.02
 """GPT-2's and Hugging Face Llama's initializer_range: the proxy's init std of every matrix."""
-HIDDEN = ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
-          "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
-          "shared_experts.w1", "shared_experts.w2", "shared_experts.w3")
-"""The blocks' hidden matrices (Llama names; an MoE's shared experts): both dimensions grow with the width."""
-EXPERTS = ("experts.w1", "experts.w2", "experts.w3")
-"""An MoE's routed experts: 3-D parameters, n_experts hidden matrices each (nn/moe.py). The router is output-like
-(its fan-out, n_experts, does not grow with the width: Tensor Programs V's rule for a readout), so it keeps the
-defaults of the output row above."""
 MULTS = ("mup_input_mult", "mup_output_mult", "mup_attn_mult")
 """The base multipliers: constants of the proxy, tuned there (benchmarks/lr_transfer.py --tune), that carry over."""
-RESIDUAL_WRITERS = ("attention.wo.weight", "feed_forward.w2.weight", "shared_experts.w2.weight", "experts.w2")
 
 
 def check(args) -> None:
@@ -167,32 +162,32 @@ def base_head_dim(args) -> int:
     return args.base_head_dim or args.head_dim
 
 
-def is_hidden(name: str) -> bool:
-    """Whether the parameter of this (unwrapped or compiled) name is one of the blocks' hidden matrices (or experts)."""
-    name = name.replace("_orig_mod.", "")
-    return name.startswith("layers.") and (any(name.endswith(f"{m}.weight") for m in HIDDEN)
-                                           or name.endswith(EXPERTS))
+def init_std(args, role: Role) -> float | None:
+    """Initial std of a parameter of this role (nn/roles.py; see the table); None for norm weights, which start at one.
 
-
-def init_std(args, name: str) -> float | None:
-    """Initial std of the parameter of this name (see the table); None for norm weights, which start at one."""
-    if name.endswith("norm.weight"):
+    The embedding and an MoE's router (output-like: its fan-out, n_experts, does not grow with the
+    width, Tensor Programs V's rule for a readout) keep 0.02. Raises ValueError for Role.BUFFER.
+    """
+    if role is Role.BUFFER:
+        raise ValueError("a buffer has no initial std: its module's reset_buffers fills it")
+    if role is Role.NORM:
         return None
     m = multipliers(args)
-    if name.replace("_orig_mod.", "") == "output.weight":
+    if role is Role.READOUT:
         return INIT_STD * m.width  # the readout a_out W / m_N starts as the proxy's, entry by entry (1 under sp)
-    if not is_hidden(name):
+    if not role.hidden:
         return INIT_STD
     if args.parametrization == "completep":
         return INIT_STD / math.sqrt(m.width)
-    if name.endswith(RESIDUAL_WRITERS):
+    if role.writes_residual:
         return INIT_STD / math.sqrt(2 * args.n_layers * m.width)
     return INIT_STD / math.sqrt(m.width)
 
 
-def optimizer_settings(args, name: str, muon: bool, weight_decay: float, eps: float) -> dict:
-    """{"lr_mult", "weight_decay", "eps"} of the parameter of this name (see the table); args None is sp.
+def optimizer_settings(args, role: Role | None, muon: bool, weight_decay: float, eps: float) -> dict:
+    """{"lr_mult", "weight_decay", "eps"} of a parameter of this role (see the table); args None is sp.
 
+    role None: a parameter of a model that declares no roles (not this project's), treated as not hidden.
     weight_decay: optim.weight_decay, or 0 for a parameter that is not decayed (norm weights).
     lr_mult multiplies optim.lr. muon: the parameter is in a Muon group (its LR then also
     carries Moonlight's 0.2 sqrt(max(m, n)), applied by the optimizer).
@@ -201,29 +196,30 @@ def optimizer_settings(args, name: str, muon: bool, weight_decay: float, eps: fl
         return {"lr_mult": 1.0, "weight_decay": weight_decay, "eps": eps}
     m = multipliers(args)
     decay, mult = weight_decay, 1.0
-    if is_hidden(name):
+    if role is not None and role.hidden:
         mult = 1.0 / math.sqrt(m.width) if muon else 1.0 / m.width
         decay /= mult  # lr * wd stays the proxy's (independent weight decay)
     # Every gradient shrinks as 1/m_N (the logits carry 1/m_N): eps keeps its place beside them.
     return {"lr_mult": mult, "weight_decay": decay, "eps": eps / (m.width * m.depth)}
 
 
-def fold(args, state: dict, inverse: bool = False) -> dict:
+def fold(args, state: dict, roles: dict[str, Role], inverse: bool = False) -> dict:
     """The state dict (our names -> full tensors) with every forward multiplier folded into the weights.
 
     The folded weights compute the same function in a model without multipliers (sp, or Hugging
     Face's LlamaForCausalLM, MixtralForCausalLM, Glm4MoeForCausalLM): wq times the query factor (RoPE is
     linear), wo and w2 (dense, routed experts' and shared experts') times the residual factor, output times
-    the logits factor; the router has no multiplier. inverse=True divides instead: a folded
+    the logits factor; the router has no multiplier. roles: nn/roles.roles of the model (a name of state
+    without a role raises KeyError). inverse=True divides instead: a folded
     state (an export) back into this parametrization's weights. Returns new tensors; state is
     not modified. Under sp it returns state's tensors as they are.
     """
     m = multipliers(args)
     # An MoE's residual branch is the weighted sum of its experts' and shared experts' w2 outputs: linear in each.
-    factors = {"attention.wq.weight": m.query, "tok_embeddings.weight": m.input,
-               **dict.fromkeys(RESIDUAL_WRITERS, m.residual)}
+    factors = {Role.QUERY: m.query, Role.EMBEDDING: m.input, Role.READOUT: m.logits, Role.RESIDUAL: m.residual,
+               Role.EXPERTS_RESIDUAL: m.residual}
     out = {}
     for k, v in state.items():
-        f = m.logits if k == "output.weight" else next((x for s, x in factors.items() if k.endswith(s)), 1.0)
+        f = factors.get(roles[k], 1.0)
         out[k] = v if f == 1.0 else (v / f if inverse else v * f)
     return out

@@ -36,7 +36,7 @@ from torch.optim._muon import (
 )
 from torch.optim.adamw import adamw
 
-from nn.parametrization import HIDDEN, is_hidden
+from nn.roles import Role
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single and warns (FutureWarning, once per
 # rank) at the old name; torch 2.9-2.12 (pyproject's range) have only the old one.
@@ -44,8 +44,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 ADJUST_LR_FN = "match_rms_adamw"
 """torch.optim.Muon's name for Moonlight's 0.2 * sqrt(max(m, n)) LR rule."""
-MATRICES = HIDDEN
-"""The blocks' hidden matrices (Llama names) that Muon updates; everything else keeps AdamW."""
 
 
 def newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
@@ -85,9 +83,10 @@ def newton_schulz_for(device: torch.device):
     return newton_schulz_fp32 if device.type == "cpu" else _zeropower_via_newtonschulz
 
 
-def is_muon_matrix(name: str) -> bool:
-    """Whether the parameter of this (unwrapped or compiled) name is one of the blocks' hidden matrices."""
-    return is_hidden(name)
+def is_muon_matrix(role: Role | None) -> bool:
+    """Whether a parameter of this declared role (nn/roles.py) is Muon's: the blocks' hidden matrices and routed
+    experts (Role.hidden); everything else, and a parameter without a role (None), keeps AdamW."""
+    return role is not None and role.hidden
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -20,6 +20,7 @@ import torch
 
 from core.errors import ConfigError
 from nn import parametrization
+from nn.roles import roles
 from optimization.muon import MuonAdamW, is_muon_matrix
 
 
@@ -179,7 +180,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, 
     samples (scheduled_factor); the default, one constant batch, keeps them steps.
 
     adamw: torch.optim.AdamW, decay on matrices (ndim >= 2) only. muon: muon.MuonAdamW with the
-    blocks' hidden matrices in a Muon group (decay cfg.weight_decay, momentum cfg.muon_momentum)
+    blocks' hidden matrices (by declared role, nn/roles.py) in a Muon group (decay cfg.weight_decay, momentum cfg.muon_momentum)
     and the rest in AdamW groups as above; one LambdaLR scales every group. Under model.parametrization
     mup/completep (model.args) each parameter's LR multiplier, decay and eps come from
     nn/parametrization.py, the hidden matrices in groups of their own (sp: the groups above). fused: the fused
@@ -190,13 +191,16 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, 
     named = list(model.named_parameters())
     args = getattr(model, "args", None)  # model.ModelArgs; a model without it trains under sp
     scaled = args is not None and args.parametrization != "sp"
-    # One group per role, in the order parameters first appear: (decayed, Muon, a hidden matrix under mup/completep).
-    # Roles, not values, make the groups, so a resume with another weight decay finds the groups it saved.
+    # Declared roles (nn/roles.py): this project's model must declare every parameter's; another model has none.
+    role = roles(model, strict=args is not None)
+    # One group per kind, in the order parameters first appear: (decayed, Muon, a hidden matrix under mup/completep).
+    # Kinds, not values, make the groups, so a resume with another weight decay finds the groups it saved.
     groups: dict[tuple, dict] = {}
     for name, p in named:
-        muon = cfg.name == "muon" and is_muon_matrix(name)
-        s = parametrization.optimizer_settings(args, name, muon, cfg.weight_decay if p.ndim >= 2 else 0.0, cfg.eps)
-        key = (p.ndim >= 2, muon, scaled and parametrization.is_hidden(name))
+        r = role.get(name)
+        muon = cfg.name == "muon" and is_muon_matrix(r)
+        s = parametrization.optimizer_settings(args, r, muon, cfg.weight_decay if p.ndim >= 2 else 0.0, cfg.eps)
+        key = (p.ndim >= 2, muon, scaled and r is not None and r.hidden)
         if key not in groups:
             groups[key] = {"params": [], "lr": cfg.lr * s["lr_mult"], "weight_decay": s["weight_decay"],
                            "eps": s["eps"], **({"muon": True} if muon else {})}

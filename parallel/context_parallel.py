@@ -15,12 +15,12 @@ Per layer and rank, forward: the all-to-alls of q, k, v and the output move
 (2 n_heads + 2 n_kv_heads) x head_dim x (batch x seq / cp) elements in, of which (cp - 1) / cp
 leave the rank; the backward moves the same again (docs/long_context.md).
 
-RoPE positions and document ids are those of the whole windows (model.slice_layout): a document
+RoPE positions and document ids are those of the whole windows (nn/documents.slice_layout): a document
 that crosses a slice boundary keeps its positions, and the mask the kernel applies over the
 whole sequence is the whole windows' one. FSDP shards parameters over the data-parallel and
 CP ranks together (layout.Mesh.fsdp), so CP adds no parameter memory, and gradients are
 reduced over both; the loss is summed over every rank's tokens and divided by the global
-target count, as without CP (training/step.py: forward_backward).
+target count, as without CP (runner.OneStage.forward_backward).
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from core.errors import SetupError
-from model import SequenceLayout, Transformer, attention, slice_layout
+from model import Transformer, attention
+from nn.documents import SequenceLayout, slice_layout
 from nn.moe import MoE
 from parallel.pipeline_stages import PassThrough
 
@@ -117,7 +118,7 @@ def shard_batch(model: torch.nn.Module, inputs: Tensor, labels: Tensor, cp_mesh:
 
     inputs, labels: (batch, seq) int64, the same on every rank of a CP group. Returns
     inputs[:, lo:hi], labels[:, lo:hi] with [lo, hi) the rank's contiguous seq / cp slice, and
-    the slice's SequenceLayout computed from the whole inputs (model.slice_layout); cp_mesh is
+    the slice's SequenceLayout computed from the whole inputs (nn/documents.slice_layout); cp_mesh is
     the CP group's (layout.Mesh.cp); without one, (inputs, labels, None) unchanged.
     """
     if cp_mesh is None:

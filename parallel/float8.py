@@ -12,23 +12,24 @@
 What changes is the matmuls: the parameters stay plain fp32 master weights with the same names,
 so the optimizer, the state dict, DCP checkpoints and hf.py export see the same tensors with
 float8 on or off (under the float8 all-gather each weight is a torchao tensor subclass that
-reports its fp32 dtype and saves as a plain tensor). The output projection stays out (torchtitan
-and OLMo-core keep it in bf16: it sets the logits' precision), and so does any Linear whose
-in or out features are not multiples of 16 (torch._scaled_mm's constraint).
+reports its fp32 dtype and saves as a plain tensor). The output projection (the module whose weight
+is declared Role.READOUT, nn/roles.py) stays out (torchtitan and OLMo-core keep it in bf16: it sets
+the logits' precision), and so does any Linear whose in or out features are not multiples of 16
+(torch._scaled_mm's constraint).
 Source: torchao.float8 (pytorch/ao, torchao/float8/README.md), torchtitan's float8 converter.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import torch
 
 from core.errors import SetupError, require
+from nn.roles import Role, roles
 
 RECIPES = ("tensorwise", "rowwise")
-EXCLUDED = ("output",)
-"""Module names never converted (the output projection)."""
 
 
 def check(recipe: str, device: torch.device, tp: int) -> None:
@@ -104,11 +105,16 @@ def _import_torchao():
     return require("torchao.float8", "float8", "train.float8")  # an old torchao lacks it
 
 
-def convertible(module: torch.nn.Module, name: str) -> bool:
-    """Whether the Linear `name` becomes a Float8Linear: not the output projection, both dims multiples of 16."""
+def readouts(model: torch.nn.Module) -> set[str]:
+    """Names of the modules whose weight is declared the readout (nn/roles.py: Role.READOUT), kept out of float8."""
+    return {name.rpartition(".")[0] for name, role in roles(model, strict=False).items() if role is Role.READOUT}
+
+
+def convertible(module: torch.nn.Module, name: str, excluded: set[str] = frozenset()) -> bool:
+    """Whether the Linear `name` becomes a Float8Linear: not in excluded (the readouts), both dims multiples of 16."""
     if not isinstance(module, torch.nn.Linear):
         return True  # torchao asks about every module on its way down; only Linear layers are swapped
-    return name not in EXCLUDED and module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return name not in excluded and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 def convert(model: torch.nn.Module, recipe: str) -> list[str]:
@@ -124,8 +130,9 @@ def convert(model: torch.nn.Module, recipe: str) -> list[str]:
         config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     else:  # the float8 all-gather needs tensorwise scales (torchao asserts it)
         config = ao.Float8LinearConfig.from_recipe_name(recipe)
-    kept = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not convertible(m, name)]
-    ao.convert_to_float8_training(model, config=config, module_filter_fn=convertible)
+    keep = functools.partial(convertible, excluded=readouts(model))
+    kept = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not keep(m, name)]
+    ao.convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return kept
 
 

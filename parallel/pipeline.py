@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from core.errors import SetupError
-from model import SequenceLayout, Transformer, slice_layout
+from model import Transformer
+from nn.documents import SequenceLayout, slice_layout
 from nn.loss import logits_loss_sums, loss_context, nll_head
 from parallel.context_parallel import shard_batch
 from parallel.hooks import StepHook, aux_of
@@ -252,7 +253,7 @@ class Pipeline:
         return output if aux is None else _WithAux.apply(output, aux * self.scale)
 
     def documents(self, inputs: Tensor, layout: SequenceLayout | None) -> SequenceLayout | None:
-        """layout, or under model.document_mask without CP the whole windows' (model.slice_layout of inputs
+        """layout, or under model.document_mask without CP the whole windows' (nn/documents.slice_layout of inputs
         (batch, seq) int64): the stages after the first see no tokens to find the documents in."""
         args = self.model.args
         if layout is None and args.document_mask:

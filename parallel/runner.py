@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from model import SequenceLayout
+from nn.documents import SequenceLayout
 from nn.loss import applied_chunk_size, loss_context, token_logprobs, token_loss_sum, token_loss_sums
 from parallel.context_parallel import shard_batch
 from parallel.hooks import StepHook, aux_of

@@ -17,7 +17,7 @@ from launch import (
     torchrun_command,
     wait_for_step,
 )
-from model import document_positions, slice_layout
+from nn.documents import document_positions, slice_layout
 from test_2d import COMPLETEP, GRAD_RTOL, MUP, packed_tokens, rel  # noqa: F401 (packed_tokens is a fixture)
 
 MHA = ("--model.n_kv_heads", "4")  # 4 query and 4 key/value heads: they split over cp 4 and over cp 2 x tp 2

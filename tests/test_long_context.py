@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import ModelArgs, block_causal_mask, document_positions
+from model import ModelArgs
 from models import random_model
+from nn.documents import block_causal_mask, document_positions
 from nn.loss import chunked_cross_entropy_sum, token_loss_sum
 
 EOT = 2

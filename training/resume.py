@@ -22,8 +22,9 @@ from config import Config
 from core.errors import SetupError
 from data import mixture_note
 from data_pipeline.tokenizer import same_tokenizer
-from model import MOE_FIELDS, ModelArgs, Transformer
+from model import ModelArgs, Transformer
 from nn import parametrization
+from nn.moe_args import MOE_FIELDS
 from storage import fs
 from storage.rundir import CONFIG_FILE, RunDir
 
