@@ -33,7 +33,8 @@ from observability.metrics import MetricsConfig, check_metrics
 from observability.profiling import parse_steps
 from optimization.optimizers import OptimConfig
 from parallel import float8
-from parallel.compose import check_moe, check_pipeline, check_pipeline_composes
+from parallel.compose import check_moe, check_pipeline
+from parallel.composition import check_composition
 from parallel.context_parallel import check_cp_layout
 from parallel.distributed import local_world_size, resolve_device
 from parallel.layout import Layout, ParallelConfig
@@ -300,15 +301,17 @@ def validate(cfg: Config, world_size: int) -> None:
     cannot be used (unknown scheme, no credentials, no such bucket, no endpoint), a
     data.prepared whose meta.json does not match the data settings; a MissingPackageError for
     metrics.tensorboard or metrics.wandb without its package, or an s3:// URL without s3fs;
-    and train.float8's checks (float8.check: torchao, parallel.tp 1, a float8-capable GPU; on a CPU
-    rank 0 prints its notice that float8 is only emulated); check_moe's refusals.
+    and train.float8's checks (float8.check: torchao, a float8-capable GPU; on a CPU rank 0 prints
+    its notice that float8 is only emulated); check_moe's refusals. First of all, the settings that
+    do not run together (composition.TABLE, docs/cluster.md): the sizes the later checks offer
+    keep the settings on or turn them off, so no remedy of theirs is a pair the table refuses.
     """
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
+    check_composition(cfg)
     check_moe(cfg, world_size)
-    check_pipeline_composes(cfg)
     Layout.of(cfg.parallel, world_size).check(local_world_size())
     m = cfg.model
-    check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads, bool(cfg.eval.tasks))
+    check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads)
     dp = cfg.parallel.data_parallel(world_size)
     for i, (start, g) in enumerate(t.batch_schedule()):
         name = "train.global_batch_size" if i == 0 else f"train.batch_stages[{i - 1}].global_batch_size"
@@ -324,7 +327,7 @@ def validate(cfg: Config, world_size: int) -> None:
     device = resolve_device(t.device)
     if cfg.parallel.cpu_offload and device.type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")
-    float8.check(t.float8, device, tp)
+    float8.check(t.float8, device)
     if device.type == "cuda" and local_world_size() > torch.cuda.device_count():
         raise SetupError(f"{local_world_size()} processes on this node (LOCAL_WORLD_SIZE) but {torch.cuda.device_count()} "
                          f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")

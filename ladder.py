@@ -31,7 +31,7 @@ from core.errors import ConfigError, UserError, report
 from model import ModelArgs, num_params
 from observability.progress import duration
 from optimization.optimizers import OptimConfig, decayed
-from parallel.compose import check_moe, check_pipeline_composes
+from parallel import compose, composition
 from prepare import prepare
 from scaling import report as ladder_report
 from scaling.law import SAME_RATIO, check_points
@@ -154,15 +154,15 @@ def plan(cfg: Config, sizes: list[str], tokens_per_param: float, ladder_dir: str
     return rungs
 
 
-def check_inputs(rungs: list[Rung], launcher: list[str], ladder_dir: str, cfg: Config | None = None) -> None:
+def check_inputs(rungs: list[Rung], launcher: list[str], ladder_dir: str, cfg: Config | None = None,
+                 script: str = "train_fsdp.py") -> None:
     """ConfigError before anything runs: a size given twice (rungs and checks share run directories), a launcher
-    that is not a command, a ladder_dir that is not a local folder this process can create or write (a URL, a file,
-    a read-only or impossible location; rundir.check_local_dir); and the trainer's refusals that need no world size
-    (a SetupError), which every run would otherwise meet only once the data is prepared: what parallel.pp or
-    parallel.ep do not run with (config.check_moe, check_pipeline_composes), a rung shallower than parallel.pp."""
+    that is not a command, a ladder_dir that is not a local folder this process can write (rundir.check_local_dir);
+    and the trainer's refusals that need no world size (a SetupError), which every run would meet only after the
+    data: what does not run together under script (docs/cluster.md), compose.check_moe's, a rung under parallel.pp."""
     if cfg is not None:
-        check_moe(cfg)
-        check_pipeline_composes(cfg)
+        composition.check_composition(cfg, script)
+        compose.check_moe(cfg)
         shallow = min(rungs, key=lambda r: r.args.n_layers)
         if cfg.parallel.pp > shallow.args.n_layers:
             raise ConfigError(f"ladder size {shallow.name}: parallel.pp ({cfg.parallel.pp}) is more than its "
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             launcher = shlex.split(a.launcher)
         except ValueError as e:  # an unclosed quote
             raise ConfigError(f"--launcher {a.launcher!r} cannot be read as a command ({e}); close its quotes") from None
-        check_inputs(rungs + checks, launcher, a.ladder_dir, cfg)
+        check_inputs(rungs + checks, launcher, a.ladder_dir, cfg, a.script)
         for flag in ("dir", "load_from"):
             if getattr(cfg.checkpoint, flag):  # every run keeps its own checkpoints; branches load the trunk's
                 raise ConfigError(f"--checkpoint.{flag}: each run of the ladder keeps its checkpoints in its own run "

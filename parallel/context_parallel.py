@@ -38,13 +38,12 @@ from nn.moe import MoE
 from parallel.pipeline_stages import PassThrough
 
 
-def check_cp_layout(cp: int, tp: int, seq_len: int, n_heads: int, n_kv_heads: int, eval_tasks: bool) -> None:
+def check_cp_layout(cp: int, tp: int, seq_len: int, n_heads: int, n_kv_heads: int) -> None:
     """The CP checks that need no collective; raises SetupError naming the numbers and the fix.
 
     seq_len (data.seq_len) must split into cp slices of whole TP shards (cp x tp divides it);
     Ulysses gives each rank n_heads / (cp x tp) query and n_kv_heads / (cp x tp) key/value
-    heads. In-loop downstream scoring ([[eval.tasks]]) runs rows of any length and is not
-    sliced: it needs cp 1.
+    heads. What CP does not run with (in-loop [[eval.tasks]]) is composition.TABLE's.
     """
     if cp < 1:
         raise SetupError(f"parallel.cp must be >= 1, got {cp}")
@@ -61,9 +60,6 @@ def check_cp_layout(cp: int, tp: int, seq_len: int, n_heads: int, n_kv_heads: in
             knob = "parallel.cp" if tp == 1 else "parallel.cp x parallel.tp"
             raise SetupError(f"{name} ({n}) is not divisible by {what}: Ulysses attention gives every CP rank whole "
                              f"heads; use {knob} in {valid} or change {name}")
-    if eval_tasks:
-        raise SetupError(f"[[eval.tasks]] are scored in the loop only at parallel.cp 1 (got {cp}); drop [eval] "
-                         f"and score the checkpoints with evaluate.py --tasks")
 
 
 def _seq_to_heads(x: Tensor, cp: int, group) -> Tensor:

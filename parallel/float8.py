@@ -32,20 +32,18 @@ from nn.roles import Role, roles
 RECIPES = ("tensorwise", "rowwise")
 
 
-def check(recipe: str, device: torch.device, tp: int) -> None:
-    """The float8 checks, before any collective: raises a UserError naming the field and the fix.
+def check(recipe: str, device: torch.device) -> None:
+    """The float8 checks of the machine, before any collective: raises a UserError naming the field and the fix.
 
     recipe: train.float8. MissingPackageError without torchao (the float8 extra); SetupError
-    with parallel.tp > 1 (torchao's float8 TP styles are not wired into train_2d.py's plan) and
     on a CUDA GPU older than compute capability 8.9 (float8 matmuls need Ada/Hopper or newer).
     On a CPU it trains, and rank 0 prints cpu_notice's line once (the matmuls are emulated).
+    What float8 does not run with (parallel.tp > 1, parallel.pp > 1, a mixture of experts) is
+    composition.TABLE's.
     """
     if recipe == "off":
         return
     _import_torchao()
-    if tp > 1:
-        raise SetupError(f"train.float8 {recipe} does not run with parallel.tp {tp} (train_2d.py) yet; use "
-                         f"train_fsdp.py (FSDP or HSDP) for float8, or --train.float8 off under tensor parallelism")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise SetupError(f"train.float8 {recipe} needs float8 matmuls (compute capability 8.9 or newer: H100, "

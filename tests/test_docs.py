@@ -469,6 +469,17 @@ def test_named_files_exist():
     assert not problems, "files named in the docs that do not exist:\n" + "\n".join(problems)
 
 
+def test_cluster_md_prints_the_composition_table():
+    """docs/cluster.md's table of the settings that do not run together is parallel/composition.py's, row for row."""
+    from parallel.composition import markdown
+
+    section = read("docs/cluster.md").split("\n## What composes with what\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows == markdown().splitlines(), ("docs/cluster.md's composition table differs from composition.TABLE; "
+                                             "paste the output of python -c 'from parallel.composition import "
+                                             "markdown; print(markdown())'")
+
+
 def test_the_checks_catch_stale_docs():
     """Each check reports a planted mistake (and passes the corrected snippet)."""
     bad = ("```bash\ntorchrun --standalone --nproc_per_node=2 train_fsdp.py --config configs/debug.toml \\\n"

@@ -77,13 +77,13 @@ def test_float8_without_torchao_names_the_extra(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("recipe", float8.RECIPES)
 def test_float8_on_a_cpu_trains_with_one_notice_that_it_only_emulates(recipe, monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
-    float8.check(recipe, CPU, 1)  # not refused
+    float8.check(recipe, CPU)  # not refused
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith(f"[train] notice: train.float8 {recipe} on a CPU only emulates"), out
     assert "no speed-up" in out[0]
     monkeypatch.setenv("RANK", "1")  # rank 0 alone prints it
-    float8.check(recipe, CPU, 1)
-    float8.check("off", CPU, 1)
+    float8.check(recipe, CPU)
+    float8.check("off", CPU)
     assert capsys.readouterr().out == ""
 
 
@@ -92,8 +92,8 @@ def test_float8_on_a_gpu_below_compute_capability_8_9_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(errors.SetupError, match=r"train.float8 tensorwise needs float8 matmuls .* NVIDIA A100 "
                                                 r"has \(8, 0\); use --train.float8 off"):
-        float8.check("tensorwise", torch.device("cuda", 0), 1)
-    float8.check("off", torch.device("cuda", 0), 1)  # the remedy it prints is accepted
+        float8.check("tensorwise", torch.device("cuda", 0))
+    float8.check("off", torch.device("cuda", 0))  # the remedy it prints is accepted
     assert float8.cpu_notice("tensorwise", torch.device("cuda", 0)) == ""
 
 

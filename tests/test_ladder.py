@@ -106,6 +106,9 @@ WSD = ["--optim.schedule", "wsd"]
      "parallel.ep (3) does not divide model.n_experts (4)"),
     ([*TARGET, *RUNGS, "--parallel.pp", "2", "--train.loss_chunk_size", "64"],
      "parallel.pp 2 does not run with train.loss_chunk_size yet"),
+    ([*TARGET, *RUNGS, "--parallel.tp", "2"], "parallel.tp is 2: tensor parallelism runs with train_2d.py"),
+    ([*TARGET, *RUNGS, "--script", "train_2d.py", "--parallel.tp", "2", "--train.float8", "rowwise"],
+     "train.float8 rowwise does not run with parallel.tp 2 (train_2d.py) yet"),
 ])
 def test_bad_input_is_one_line_before_anything_runs(tmp_path, capsys, argv, msg):
     rc = ladder.main([*argv, "--ladder_dir", str(tmp_path / "l"), "--launcher", "false"])

@@ -18,6 +18,7 @@ from checkpoint import complete_checkpoints
 from config import Config, compute_dtype, parse_config, validate
 from core.errors import PeerError, SetupError, UserError, report, require
 from parallel import distributed
+from parallel.composition import check_composition
 from parallel.layout import Layout
 from parallel.memory import check_fits, rank_memory
 from parallel.parallelize import TPPlan
@@ -31,12 +32,12 @@ def check_run(cfg: Config, world_size: int, tp_plan: TPPlan | None = None,
               check_layout: Callable[[Config, int], None] | None = None) -> None:
     """Every check that needs no collective, in the order a user can fix them; raises a UserError.
 
-    check_layout(cfg, world_size): the TP plan's own layout checks (train_2d.py), run first.
+    First what does not run together (composition.TABLE, train_fsdp.py's rows too when there is no
+    tp_plan), then check_layout(cfg, world_size): the TP plan's own layout checks (train_2d.py).
     A new start from other weights (init_from_hf, checkpoint.load_from) takes their tokenizer, or is
     refused when this run's differs (resume.source_tokenizer).
     """
-    if tp_plan is None and cfg.parallel.tp != 1:
-        raise SetupError(f"parallel.tp is {cfg.parallel.tp}: tensor parallelism runs with train_2d.py")
+    check_composition(cfg, "train_fsdp.py" if tp_plan is None else "train_2d.py")
     if check_layout is not None:
         check_layout(cfg, world_size)
     source = None  # (what the weights of a new start are, the tokenizer they were trained with)
