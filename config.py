@@ -1,7 +1,7 @@
 """The root config of a run: it composes each module's own section, and the checks across them.
 
     [model] model.ModelArgs      [data] data.DataConfig        [train] TrainConfig (below)
-    [optim] optimization/optimizers.OptimConfig    [parallel] parallel/parallelize.ParallelConfig
+    [optim] optimization/optimizers.OptimConfig    [parallel] parallel/layout.ParallelConfig
     [checkpoint] checkpoint.CheckpointConfig  [metrics] observability/metrics.MetricsConfig
     [eval] evaluation/downstream.EvalConfig (with [[eval.tasks]])
 

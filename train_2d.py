@@ -63,7 +63,7 @@ def check_tp_layout(cfg: Config, world_size: int) -> None:
     Raises SetupError, naming the numbers and the fix, when a size the plan splits evenly
     over the TP ranks is not divisible by parallel.tp (model.n_heads, model.n_kv_heads,
     model.ffn_dim, data.seq_len). The mesh's own checks (world size, a TP group inside a
-    node) are parallelize.check_layout's, run by config.validate.
+    node) are parallel/layout.Layout.check's, run by config.validate.
     """
     tp, m = cfg.parallel.tp, cfg.model
     # Left unchecked, each of these fails only later, inside a collective or a matmul on one rank.

@@ -24,6 +24,7 @@ sum all-reduce over the tp group, never a gathered logits tensor).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Callable, NamedTuple
 
 import torch
@@ -197,7 +198,7 @@ def token_loss_sum(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.T
     model: a model.Transformer (whole or parallelized); inputs, labels: (batch, seq) int64 on
     its device. chunk_size > 0: the output projection and loss run chunk by chunk (see
     chunked_cross_entropy_sum); 0: on the full logits. Returns a 0-dim fp32 tensor (a
-    replicated DTensor under loss_parallel: see scalar). Call inside loss_context(mesh), and
+    replicated DTensor under loss_parallel: see scalar). Call inside loss_context(vocab_parallel), and
     with chunk_size 0 under tensor parallelism. layout: the nn/documents.SequenceLayout of inputs
     and labels when they are one CP rank's slice of longer windows (context_parallel.shard_batch).
     """
@@ -209,6 +210,26 @@ def token_loss_sum(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.T
         return model(inputs, head=head, **kw)
     logits = model(inputs, **kw)
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+@dataclasses.dataclass
+class ChunkedLossHead:
+    """A model head (Transformer.forward's head=) that returns the chunked loss sums of labels: a (2,) fp32 tensor
+    [objective (cross-entropy sum plus z_loss times the logsumexp^2 sum, with autograd), logsumexp^2 sum].
+
+    A dataclass, so that a pipeline schedule splits its labels (batch, seq) int64 into micro-batches with the
+    tokens (parallel/pipeline.py registers it as a pytree) and the last stage takes its loss inside its forward,
+    where FSDP has gathered the output weight.
+    """
+
+    labels: torch.Tensor
+    chunk_size: int
+    z_loss: float = 0.0
+
+    def __call__(self, output: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        sums = chunked_cross_entropy_sum(hidden.flatten(0, 1), output.weight, self.labels.flatten(), self.chunk_size,
+                                         self.z_loss)
+        return torch.stack(list(sums) if self.z_loss else [sums, torch.zeros_like(sums)])
 
 
 def scalar(t: torch.Tensor) -> torch.Tensor:
@@ -230,7 +251,7 @@ def nll_head(targets: torch.Tensor, vocab_parallel: bool = False) -> Callable:
     where targets (batch, seq) is -100.
 
     Without tensor parallelism only the positions with a target go through the output projection
-    (a continuation is a few tokens of a long row). vocab_parallel (has_tp of the mesh; call
+    (a continuation is a few tokens of a long row). vocab_parallel (whether TP is on; call
     inside loss_context): the logits are vocabulary-sharded, all positions go through it, and
     loss_parallel's cross-entropy gives the per-token values.
     """

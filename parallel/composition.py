@@ -154,8 +154,6 @@ TABLE: list[Refusal] = [
             lambda c, _: f"model.n_experts {c.model.n_experts} (mixture of experts) does not run with train.float8 "
                          f"{c.train.float8} yet (docs/moe.md); use train.float8 off or train a dense model"
                          f"{' at parallel.ep 1' if c.parallel.ep > 1 else ''}"),
-    _pp_row("train.loss_chunk_size > 0", lambda c: c.train.loss_chunk_size > 0, {"train.loss_chunk_size": 0},
-            "the last stage's output is the logits the schedule's loss takes"),
     _pp_row("train.float8 tensorwise or rowwise", lambda c: c.train.float8 != "off", {"train.float8": "off"},
             "not built yet"),
     # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from core.errors import SetupError
 from model import Transformer
 from nn.documents import SequenceLayout, slice_layout
-from nn.loss import logits_loss_sums, loss_context, nll_head
+from nn.loss import ChunkedLossHead, logits_loss_sums, loss_context, nll_head
 from parallel.context_parallel import shard_batch
 from parallel.hooks import StepHook, aux_of
 from parallel.layout import Mesh
@@ -47,6 +47,8 @@ from parallel.pipeline_stages import (
 # The schedule splits keyword inputs into micro-batches by the tensors they hold: a CP slice's positions (batch,
 # slice) split along the batch like the tokens.
 pytree.register_dataclass(SequenceLayout)
+# Under the chunked loss the last stage takes its micro-batch's labels in its head, split with the batch likewise.
+pytree.register_dataclass(ChunkedLossHead)
 
 
 def check_pp(pp: int, schedule: str, microbatches: int, n_layers: int, local_batch: int, dp: int = 1,
@@ -161,6 +163,9 @@ class Pipeline:
     """The parts the sequence is split into between stages (tp under sequence parallelism)."""
     vocab_parallel: bool = False
     """Whether the logits are vocabulary-sharded (TP): the loss and its backward then run under loss_parallel."""
+    loss_chunk_size: int = 0
+    """train.loss_chunk_size as applied (0 under TP): the last stage then takes the loss in its forward, chunk by
+    chunk (nn.loss.ChunkedLossHead), and never holds a micro-batch's logits."""
     scale: float = 1.0
     """The loss's factor for the step: data-parallel ranks / the global batch's targets (training/step.py)."""
     sums: list = dataclasses.field(default_factory=list)
@@ -200,10 +205,14 @@ class Pipeline:
         """Whether this rank runs the last stage (it takes the loss)."""
         return self.stages[-1][0] == self.n_stages - 1
 
-    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        """The schedule's loss_fn on the last stage: logits (mb, seq, vocab) fp32, labels (mb, seq) -> the objective
-        of the micro-batch times scale; its token cross-entropy and logsumexp^2 sums are appended to sums."""
-        objective, z_sum = logits_loss_sums(logits, labels, self.z_loss)
+    def loss(self, output: Tensor, labels: Tensor) -> Tensor:
+        """The schedule's loss_fn on the last stage: output, the logits (mb, seq, vocab) fp32 (or under the chunked
+        loss the stage's own (2,) sums, ChunkedLossHead's), labels (mb, seq) -> the objective of the micro-batch times
+        scale; its token cross-entropy and logsumexp^2 sums are appended to sums."""
+        if self.loss_chunk_size:
+            objective, z_sum = output[0], output[1].detach()
+        else:
+            objective, z_sum = logits_loss_sums(output, labels, self.z_loss)
         # The cross-entropy as training/step.py's forward_backward logs it: the objective less the z term.
         self.sums.append(torch.stack([objective.detach() - self.z_loss * z_sum, z_sum]))
         return objective * self.scale
@@ -222,6 +231,8 @@ class Pipeline:
         args = (inputs,) if self.is_first else ()
         # Every stage's blocks take the RoPE positions (and documents); the schedule splits them with the batch.
         kwargs = {"layout": layout} if layout is not None else {}
+        if self.loss_chunk_size:
+            kwargs["head"] = ChunkedLossHead(labels, self.loss_chunk_size, self.z_loss)
         records: list = []
         handles = [module.register_forward_hook(functools.partial(self.aux_hook, hooks, records, index))
                    for index, module in self.stages] if hooks else []
@@ -286,6 +297,9 @@ class Pipeline:
         """Summed token cross-entropy of a batch (batch, seq), fp32 0-dim: on the last stage's rank, 0 on the others
         (run)."""
         with self.context():
+            if self.loss_chunk_size:
+                sums = self.run(inputs, layout, head=ChunkedLossHead(labels, self.loss_chunk_size))
+                return sums[0] if sums is not None else torch.zeros((), device=inputs.device)
             logits = self.run(inputs, layout)
             if logits is None:
                 return torch.zeros((), device=inputs.device)
@@ -326,7 +340,7 @@ def default_microbatches(pp: int, local_batch: int, schedule: str = "1F1B") -> i
 
 
 def build_pipeline(model: Transformer, mesh: Mesh, device: torch.device, schedule: str,
-                   microbatches: int, z_loss: float, act_dtype: torch.dtype) -> Pipeline:
+                   microbatches: int, z_loss: float, act_dtype: torch.dtype, loss_chunk_size: int = 0) -> Pipeline:
     """The Pipeline of model (pruned to this rank's stages and parallelized) over the pipeline's group, mesh.pp.
 
     Under TP the stages pass on this rank's part of the sequence (sequence parallelism), and the
@@ -340,7 +354,8 @@ def build_pipeline(model: Transformer, mesh: Mesh, device: torch.device, schedul
     n_stages = pp * len(stages)
     stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(stages), schedule)}
     pipe = Pipeline(model, None, group, mesh, device, schedule, stages, n_stages, z_loss, act_dtype, microbatches,
-                    stage_rank, seq_split=mesh.size("tp"), vocab_parallel=mesh.tp is not None)
+                    stage_rank, seq_split=mesh.size("tp"), vocab_parallel=mesh.tp is not None,
+                    loss_chunk_size=loss_chunk_size)
     built = [PipelineStage(module, index, n_stages, device, group=group) for index, module in stages]
     # loss_fn on every rank: the schedule runs a backward only when it has one (only the last stage calls it)
     cls = schedules.get_schedule_class(schedule)

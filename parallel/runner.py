@@ -107,4 +107,5 @@ def build_runner(model: nn.Module, mesh: Mesh, cfg, device, act_dtype: torch.dty
         return OneStage(model, mesh, device, t.loss_chunk_size, t.z_loss)
     local = t.global_batch_size // mesh.size("data")
     return build_pipeline(model, mesh, device, p.pp_schedule,
-                          p.pp_microbatches or default_microbatches(p.pp, local, p.pp_schedule), t.z_loss, act_dtype)
+                          p.pp_microbatches or default_microbatches(p.pp, local, p.pp_schedule), t.z_loss, act_dtype,
+                          applied_chunk_size(mesh.tp is not None, t.loss_chunk_size))

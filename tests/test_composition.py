@@ -27,7 +27,6 @@ EXAMPLES = {
     ("parallel.ep > 1", "train.activation_checkpointing selective with train.compile true"):
         {**MOE, "parallel.ep": 2, "train.activation_checkpointing": "selective", "train.compile": True},
     ("model.n_experts > 0", "train.float8 tensorwise or rowwise"): {**MOE, "train.float8": "rowwise"},
-    ("parallel.pp > 1", "train.loss_chunk_size > 0"): {"parallel.pp": 2, "train.loss_chunk_size": 64},
     ("parallel.pp > 1", "train.float8 tensorwise or rowwise"): {"parallel.pp": 2, "train.float8": "rowwise"},
     ("parallel.pp > 1", "[[train.batch_stages]]"): {"parallel.pp": 2, "train.batch_stages": [BatchStage(1, 64)]},
     ("parallel.pp_schedule InterleavedZeroBubble or ZBVZeroBubble or DualPipeV",
@@ -105,12 +104,12 @@ def test_no_remedy_is_a_pair_another_row_refuses(first, second):
 
 def test_rows_with_one_line_are_named_together_and_the_first_is_printed():
     cfg = configured({"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "train.compile": True,
-                      "train.loss_chunk_size": 64, "train.float8": "rowwise", "parallel.tp": 2})
+                      "train.batch_stages": [BatchStage(1, 64)], "train.float8": "rowwise", "parallel.tp": 2})
     with pytest.raises(SetupError) as e:
         check_composition(cfg, "train_2d.py")
-    assert str(e.value) == ("parallel.pp 2 does not run with train.loss_chunk_size, train.float8, train.compile "
-                            "(under ZBVZeroBubble) yet (docs/pipeline.md); use train.loss_chunk_size 0 and "
-                            "train.float8 off and train.compile false, or parallel.pp 1")
+    assert str(e.value) == ("parallel.pp 2 does not run with train.float8, [[train.batch_stages]], train.compile "
+                            "(under ZBVZeroBubble) yet (docs/pipeline.md); use train.float8 off and no "
+                            "[[train.batch_stages]] tables and train.compile false, or parallel.pp 1")
     with pytest.raises(SetupError, match="tensor parallelism runs with train_2d.py"):
         check_composition(cfg, "train_fsdp.py")  # the script's row first
     check_composition(configured({"parallel.tp": 2}), "train_2d.py")  # a script's row only under that script

@@ -95,14 +95,17 @@ PP_LAYOUTS = {
     "pp2-fsdp2-interleaved-muon": (4, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-ep2-interleaved-moe": (4, 1, ["--parallel.pp", "2", "--parallel.ep", "2", "--parallel.pp_schedule",
                                        "Interleaved1F1B"]),
+    "pp2-interleaved-chunked": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
 }
 """id: (ranks, tp, flags): 1F1B (also with selective activation checkpointing) and GPipe over 2 stages; 2 stages
 per rank (Interleaved1F1B, LoopedBFS and the zero-bubble schedules: 4 stages of one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
-named "-docmask", "-muon" or "-moe" and its 1-rank reference both run with model.document_mask, optim.name muon
-or a mixture of experts (4 experts top-2, aux loss and bias update, layer 0 dense: a stage without MoE) (SHARED)."""
+named "-docmask", "-muon", "-moe" or "-chunked" and its 1-rank reference both run with model.document_mask, optim.name
+muon, a mixture of experts (4 experts top-2, aux loss and bias update, layer 0 dense: a stage without MoE) or the
+chunked loss with the z-loss (the last stage takes it in its forward) (SHARED)."""
 SHARED = {"docmask": ["--model.document_mask", "true"], "muon": ["--optim.name", "muon"],
           "moe": ["--model.n_experts", "4", "--model.experts_per_token", "2", "--model.expert_ffn_dim", "192",
-                  "--model.moe_aux_loss", "0.01", "--model.moe_first_dense", "1"]}
+                  "--model.moe_aux_loss", "0.01", "--model.moe_first_dense", "1"],
+          "chunked": ["--train.loss_chunk_size", "64", "--train.z_loss", "1e-4"]}
 
 
 @pytest.mark.slow
@@ -218,8 +221,6 @@ def test_a_peer_failure_inside_a_pipeline_stage_is_named_as_one():
     (2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "5"],
      "parallel.pp_schedule Interleaved1F1B runs the micro-batches in rounds (parallel.pp_microbatches // "
      "parallel.pp = 2), which must divide parallel.pp_microbatches (5); use parallel.pp_microbatches in [2, 4, 8, 16]"),
-    (2, ["--parallel.pp", "2", "--train.loss_chunk_size", "64"], "parallel.pp 2 does not run with "
-                                                                  "train.loss_chunk_size yet"),
     (2, ["--parallel.pp", "0"], "parallel.pp must be >= 1, got 0"),
     (2, ["--parallel.pp", "2", "--train.global_batch_size", "1"], "train.global_batch_size gives each data-parallel "
                                                                    "rank 1 sequence(s) per step, fewer than "
@@ -308,10 +309,10 @@ def test_zero_bubble_schedules_refuse_checkpointing_and_compile_in_one_line_and_
     # Named with the other refusals, so that one fix is enough.
     with before_any_collective(monkeypatch, 2):
         line = refused(train_fsdp.main, [*base, "--run_dir", str(tmp_path / "chunked"), "--train.compile", "true",
-                                         "--train.loss_chunk_size", "64"], capsys)
+                                         "--train.float8", "rowwise"], capsys)
     if schedule in SECOND_BACKWARD:
-        assert line == (f"error: parallel.pp 2 does not run with train.loss_chunk_size, train.compile (under "
-                        f"{schedule}) yet (docs/pipeline.md); use train.loss_chunk_size 0 and train.compile false, or "
+        assert line == (f"error: parallel.pp 2 does not run with train.float8, train.compile (under "
+                        f"{schedule}) yet (docs/pipeline.md); use train.float8 off and train.compile false, or "
                         f"parallel.pp 1"), line
     else:
         assert "train.compile" not in line, line

@@ -34,7 +34,7 @@ new one without a row here fails: write its test, then add the row.
 | ladder.py | `set --model.parametrization mup (or completep) with --model.base_dim` | test_remedies.py::test_parametrization_remedies_are_accepted_as_printed |
 | ladder.py | `set --optim.schedule wsd` | test_ladder.py::test_the_schedule_remedy_is_accepted_as_printed |
 | ladder.py | `interrupted; run the same command again to resume` | test_ladder.py::test_ctrl_c_waits_for_the_run_to_save_prints_one_line_and_the_same_command_resumes |
-| model.py | `only to a mixture of experts; set --model.n_experts (and --model.experts_per_token), or drop them` | test_moe.py::test_moe_option_remedies_are_accepted_as_printed |
+| nn/moe_args.py | `only to a mixture of experts; set --model.n_experts (and --model.experts_per_token), or drop them` | test_moe.py::test_moe_option_remedies_are_accepted_as_printed |
 | parallel/compose.py | `pass --model.moe_renormalize false`: top-1 routing whose router would never learn | test_moe.py::test_top_1_routing_with_renormalised_weights_is_refused_and_the_printed_fix_trains_the_router |
 | training/loop.py | `pass --model.moe_bias_update_rate 0`: the start's notice that hf.py export will refuse a softmax MoE whose bias moves | test_moe.py::test_the_export_notice_names_the_refusal_and_its_printed_fix_keeps_the_model_exportable |
 | parallel/compose.py | `set --model.n_experts (a multiple of {}) or use parallel.ep 1` | test_moe.py::test_moe_option_remedies_are_accepted_as_printed |

@@ -99,7 +99,8 @@ class StepResult:
         return loss, z
 
     def global_loss(self, dp_group) -> float:
-        """The mean token cross-entropy of the step's global batch (collective over dp_group, loss_mesh's group; syncs)."""
+        """The mean token cross-entropy of the step's global batch (collective over dp_group, the loss ranks'
+        (layout.Mesh.loss); syncs)."""
         return self.mean_loss if self.mean_loss is not None else self.global_losses(dp_group)[0]
 
 
