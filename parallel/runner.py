@@ -23,7 +23,7 @@ from nn.loss import applied_chunk_size, loss_context, token_logprobs, token_loss
 from parallel.context_parallel import shard_batch
 from parallel.hooks import StepHook, aux_of
 from parallel.layout import Mesh
-from parallel.pipeline import build_pipeline, default_microbatches
+from parallel.pipeline import Pipeline, build_pipeline, default_microbatches
 
 
 @dataclasses.dataclass
@@ -96,7 +96,11 @@ class OneStage:
             return token_logprobs(self.model, inputs, targets, self.vocab_parallel)
 
 
-def build_runner(model: nn.Module, mesh: Mesh, cfg, device, act_dtype: torch.dtype):
+Runner = OneStage | Pipeline
+"""What runs this rank's part of the model: the whole of it, or its pipeline stages."""
+
+
+def build_runner(model: nn.Module, mesh: Mesh, cfg, device, act_dtype: torch.dtype) -> Runner:
     """This rank's runner: OneStage, or under pipeline parallelism (mesh.pp) the Pipeline of its stages.
 
     cfg: a config.Config (duck-typed: this module sits below config.py). act_dtype: the blocks'

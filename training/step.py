@@ -25,7 +25,7 @@ from parallel import distributed
 from parallel.hooks import StepHook, model_hooks
 from parallel.layout import Mesh
 from parallel.parallelize import TPPlan, build_model_of
-from parallel.runner import build_runner
+from parallel.runner import Runner, build_runner
 
 
 class NonFiniteError(RuntimeError):
@@ -118,7 +118,7 @@ class Trainable:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     train_state: TrainState
-    runner: object
+    runner: Runner
     """What runs this rank's part of the model (parallel/runner.py): runner.OneStage, or a pipeline's stages."""
     hooks: list[StepHook]
     """The model features' parts in the step (parallel/hooks.py), called in this order."""
