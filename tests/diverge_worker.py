@@ -21,17 +21,17 @@ import train_2d  # noqa: E402
 import train_fsdp  # noqa: E402
 from core.cli import exit_command  # noqa: E402
 from data_pipeline.loader import GlobalBatchLoader  # noqa: E402
-from training import step as step_module  # noqa: E402
+from parallel import runner as runner_module  # noqa: E402
 
 
 def inject(spec: str) -> None:
-    """Patch the loader (to know the data step of the batch in training) and the step's loss (to scale it)."""
+    """Patch the loader (to know the data step of the batch in training) and the runner's loss (to scale it)."""
     ranges, rank, scale = (spec.split(":") + ["", ""])[:3]
     steps = {k for r in ranges.split(",") for a, b in [r.split("-")] for k in range(int(a), int(b) + 1)}
     factor = float(scale or "1e4")
     here = not rank or int(rank) == int(os.environ["RANK"])
     current = {"step": 0}
-    next_step, token_loss_sums = GlobalBatchLoader.next_step, step_module.token_loss_sums
+    next_step, token_loss_sums = GlobalBatchLoader.next_step, runner_module.token_loss_sums
 
     def drawing(self):
         batches = next_step(self)
@@ -43,7 +43,7 @@ def inject(spec: str) -> None:
         return (objective * factor if here and current["step"] in steps else objective), z_sum
 
     GlobalBatchLoader.next_step = drawing
-    step_module.token_loss_sums = scaled
+    runner_module.token_loss_sums = scaled
 
 
 if __name__ == "__main__":
