@@ -2,12 +2,12 @@
 
 The step (training/step.py) and both runners (runner.OneStage, pipeline.Pipeline) call every
 hook at the same points, so a feature's accounting has one path whatever the layout:
+  begin           before the step's first forward
   measure/add     after each micro-batch's forward of a module (the whole model, or a pipeline
                   stage): what the feature counts, and an auxiliary loss that joins the objective
   after_backward  once the step's gradients are complete
   after_update    after the optimizer step (applied: whether the update was)
   record          the train record's fields (collective; syncs)
-  words           its part of the start-up line
 A mixture of experts counts tokens per expert, adds its aux losses and moves its routing biases
 (MoEHook); tensorwise float8 refreshes the weights' scales after each update (Float8Hook).
 torchtitan does the same with an optimizer hook and a post-step hook.

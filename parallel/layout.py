@@ -52,7 +52,7 @@ class ParallelConfig:
     """Context-parallel degree: each sequence is split into cp contiguous slices, one per rank of a CP group, with Ulysses attention (all-to-all of heads); FSDP shards over the data-parallel and CP ranks together. n_heads, n_kv_heads and seq_len must divide by cp (x tp). Both scripts."""
 
     ep: int = 1
-    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (dp_replicate x cp x tp)); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts; tp 1 and cp 1 (docs/moe.md)."""
+    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (pp x dp_replicate x cp x tp)); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts; tp 1 and cp 1 (docs/moe.md)."""
 
     pp: int = 1
     """Pipeline-parallel stages (parallel/pipeline.py): the blocks split into pp contiguous stages, one per rank of a pipeline group, the outermost mesh dimension (so its point-to-point traffic is what crosses nodes). Both scripts; world = pp x data-parallel x cp x tp."""
@@ -231,14 +231,17 @@ class Layout:
 
     def shard_group_note(self, local_world_size: int) -> str:
         """A notice when each FSDP shard group spans nodes (its all-gathers then cross the slow links), else ''."""
-        group = self.world_size // self.dp_replicate  # dp_shard x cp x tp consecutive ranks
+        group = self.world_size // (self.dp_replicate * self.pp)  # dp_shard x cp x tp consecutive ranks
         if group <= local_world_size or self.world_size <= local_world_size:
             return ""
-        # This rank sees only its own node's size; the node count is exact when every node runs as many ranks.
-        nodes = f" {self.world_size // local_world_size}" if self.world_size % local_world_size == 0 else ""
+        # This rank sees only its own node's size; the node count is exact when every node runs as many ranks. A
+        # pipeline stage's ranks are a pp-th of them (the outermost dimension), so its replicas are its nodes.
+        per_stage = local_world_size * self.pp
+        nodes = f" {self.world_size // per_stage}" if self.world_size % per_stage == 0 else ""
+        what = "the number of nodes" if self.pp == 1 else "the nodes each pipeline stage spans"
         return (f"[train] notice: each FSDP shard group spans {group} ranks, more than the {local_world_size} of "
                 f"this node, so parameters are all-gathered across nodes every step; --parallel.dp_replicate{nodes} "
-                f"(the number of nodes) keeps them inside a node (HSDP)")
+                f"({what}) keeps them inside a node (HSDP)")
 
     def build(self, device: torch.device | str) -> Mesh:
         """The device mesh and every role's group (collective: every rank calls it, in the same order)."""

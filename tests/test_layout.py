@@ -92,3 +92,15 @@ def test_a_layout_of_4096_ranks_lists_every_rank_without_starting_anything():
 def test_a_layout_that_does_not_split_the_ranks_is_refused_naming_the_numbers(cfg, world, local, words):
     with pytest.raises(SetupError, match=words.replace("(", r"\(").replace(")", r"\)")):
         Layout.of(cfg, world).check(local)
+
+
+@pytest.mark.parametrize("pp, tp, world, local, replicate", [(2, 1, 16, 8, None), (4, 8, 32, 8, None), (2, 1, 32, 8, 2)])
+def test_the_notice_on_shard_groups_across_nodes_counts_one_pipeline_stage_and_its_remedy_passes(
+        pp, tp, world, local, replicate):
+    note = Layout.of(ParallelConfig(pp=pp, tp=tp), world).shard_group_note(local)
+    assert bool(note) == (replicate is not None), note
+    if replicate:  # each stage's 16 ranks span 2 nodes: 2 replicas keep each shard group in one
+        assert f"--parallel.dp_replicate {replicate} (the nodes each pipeline stage spans)" in note
+        fixed = Layout.of(ParallelConfig(pp=pp, tp=tp, dp_replicate=replicate), world)
+        fixed.check(local)
+        assert fixed.shard_group_note(local) == ""
