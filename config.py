@@ -309,7 +309,7 @@ def validate(cfg: Config, world_size: int) -> None:
     t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
     check_composition(cfg)
     check_moe(cfg, world_size)
-    Layout.of(cfg.parallel, world_size).check(local_world_size())
+    Layout.of(cfg.parallel, world_size).check(local_world_size(), cfg.model.n_experts)
     m = cfg.model
     check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads)
     dp = cfg.parallel.data_parallel(world_size)

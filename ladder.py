@@ -31,7 +31,7 @@ from core.errors import ConfigError, UserError, report
 from model import ModelArgs, num_params
 from observability.progress import duration
 from optimization.optimizers import OptimConfig, decayed
-from parallel import compose, composition
+from parallel import compose, composition, pipeline_stages
 from prepare import prepare
 from scaling import report as ladder_report
 from scaling.law import SAME_RATIO, check_points
@@ -164,10 +164,10 @@ def check_inputs(rungs: list[Rung], launcher: list[str], ladder_dir: str, cfg: C
         composition.check_composition(cfg, script)
         compose.check_moe(cfg)
         shallow = min(rungs, key=lambda r: r.args.n_layers)
-        if cfg.parallel.pp > shallow.args.n_layers:
-            raise ConfigError(f"ladder size {shallow.name}: parallel.pp ({cfg.parallel.pp}) is more than its "
-                              f"{shallow.args.n_layers} layers: every stage needs a block; use parallel.pp <= "
-                              f"{shallow.args.n_layers} or deeper sizes")
+        p, v = cfg.parallel, pipeline_stages.stages_per_rank(cfg.parallel.pp_schedule, cfg.parallel.pp_stages_per_rank)
+        if p.pp > 1 and p.pp * v > shallow.args.n_layers:  # every stage of a rung (v per rank) needs a block
+            raise ConfigError(f"ladder size {shallow.name}: parallel.pp x its stages per rank ({p.pp} x {v}) is more "
+                              f"than its {shallow.args.n_layers} layers; use parallel.pp <= {shallow.args.n_layers // v} or deeper sizes")
     names = [r.name for r in rungs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:

@@ -175,10 +175,11 @@ TABLE: list[Refusal] = [
             "`parallel.tp 1` (`train_fsdp.py`, FSDP or HSDP), or `train.float8 off`",
             lambda c: [{"parallel.tp": 1}, {"train.float8": "off"}],
             lambda c, _: f"train.float8 {c.train.float8} does not run with parallel.tp {c.parallel.tp} (train_2d.py) "
-                         f"yet; use train_fsdp.py (FSDP or HSDP) for float8, or --train.float8 off under tensor "
-                         f"parallelism"),
+                         f"yet; use train_fsdp.py with parallel.tp 1 (FSDP or HSDP) for float8, or --train.float8 off "
+                         f"under tensor parallelism"),
 ]
-"""Every pair that does not run together yet; when several refuse a config, the first one's line is printed."""
+"""Every pair that does not run together yet; when several refuse a config, the first one's line is printed, naming the
+others."""
 
 
 def refusals(cfg, script: str = "") -> list[Refusal]:
@@ -187,14 +188,19 @@ def refusals(cfg, script: str = "") -> list[Refusal]:
 
 
 def check_composition(cfg, script: str = "") -> None:
-    """Raise SetupError with the first refusing row's line (and the rows it names with it); needs no collective.
+    """Raise SetupError with the first refusing row's line (and the rows it names with it), followed by the other
+    pairs that refuse cfg, so that a remedy of the first is not taken for the whole fix; needs no collective.
 
     script: the entry script that runs cfg ('train_fsdp.py', 'train_2d.py'); '' leaves out the scripts' rows.
     """
     refused = refusals(cfg, script)
     if refused:
         first = refused[0]
-        raise SetupError(first.say(cfg, [r for r in refused if r.say is first.say]))
+        line = first.say(cfg, [r for r in refused if r.say is first.say])
+        others = [f"{r.a} with {r.b}" for r in refused if r.say is not first.say]
+        if others:
+            line += f" (these settings are also refused as {'; '.join(others)}: docs/cluster.md)"
+        raise SetupError(line)
 
 
 def markdown() -> str:

@@ -105,6 +105,12 @@ class Layout:
     pp_schedule: str = "1F1B"
     pp_stages_per_rank: int = 0
 
+    def __post_init__(self) -> None:
+        bad = [f"{k} {getattr(self, k)!r}" for k in ("world_size", "pp", "dp_replicate", "ep", "cp", "tp")
+               if not isinstance(getattr(self, k), int) or isinstance(getattr(self, k), bool) or getattr(self, k) < 1]
+        if bad:
+            raise ValueError(f"a Layout's world size and degrees are integers >= 1; got {', '.join(bad)}")
+
     @classmethod
     def of(cls, cfg: ParallelConfig, world_size: int) -> Layout:
         """The layout of cfg's degrees over world_size ranks (not checked: see check)."""
@@ -133,6 +139,8 @@ class Layout:
     def role_dims(self, role: str) -> tuple[str, ...]:
         """The mesh dimensions a role's group spans (() when the layout has no such group). Raises KeyError for a
         role not in ROLES."""
+        if role not in ROLES:
+            raise KeyError(f"{role!r} is not a role; the roles are {', '.join(ROLES)}")
         names = [n for n, _ in self.dims()]
         shard = [n for n in names if n in ("dp", "dp_shard", "dp_mod_ep", "ep")]
         rep = ["dp_replicate"] if self.dp_replicate > 1 else []
@@ -149,7 +157,10 @@ class Layout:
         return math.prod(sizes[n] for n in self.role_dims(role))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{mesh dimension name: rank's index along it}: row-major, as init_device_mesh lays out the ranks."""
+        """{mesh dimension name: rank's index along it}: row-major, as init_device_mesh lays out the ranks. Raises
+        ValueError for a rank outside [0, world_size)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not one of the {self.world_size} ranks (0 to {self.world_size - 1})")
         out = {}
         for name, size in reversed(self.dims()):
             rank, out[name] = divmod(rank, size)
@@ -194,10 +205,11 @@ class Layout:
         """describe(rank) of every rank: the whole layout, computed without starting anything."""
         return [self.describe(r, n_experts) for r in range(self.world_size)]
 
-    def check(self, local_world_size: int | None = None) -> None:
+    def check(self, local_world_size: int | None = None, n_experts: int = 0) -> None:
         """The size rules, before any collective: raises SetupError naming the numbers and the fix.
 
-        local_world_size: torchrun's LOCAL_WORLD_SIZE (ranks of this node; None: the world's). The
+        local_world_size: torchrun's LOCAL_WORLD_SIZE (ranks of this node; None: the world's).
+        n_experts: model.n_experts (0: dense), which the ep sizes offered must also divide. The
         ranks must split into pp x dp_replicate x dp_shard x cp x tp, ep must divide dp_shard, and
         a TP group (the ranks that communicate in every layer) must not span nodes, which with
         torchrun's node-by-node rank order means tp divides the ranks of a node.
@@ -219,7 +231,7 @@ class Layout:
                              f"size {world} / {div}); {fix} or launch a multiple of {rep * inner} processes")
         shard = dp // rep
         if shard % self.ep:
-            fits = [d for d in range(1, shard + 1) if shard % d == 0]
+            fits = [d for d in range(1, shard + 1) if shard % d == 0 and (not n_experts or n_experts % d == 0)]
             raise SetupError(f"parallel.ep ({self.ep}) does not divide the {shard} data-parallel shard rank(s) (world "
                              f"size {world} / (dp_replicate {rep} x cp {cp} x tp {tp}{f' x pp {pp}' if pp > 1 else ''}"
                              f")) that expert parallelism splits; use parallel.ep in {fits} or launch a multiple of "
@@ -238,6 +250,10 @@ class Layout:
         # pipeline stage's ranks are a pp-th of them (the outermost dimension), so its replicas are its nodes.
         per_stage = local_world_size * self.pp
         nodes = f" {self.world_size // per_stage}" if self.world_size % per_stage == 0 else ""
+        if nodes and self.data % int(nodes):  # CP x TP alone span the nodes: HSDP has no replicas to make
+            return (f"[train] notice: each FSDP shard group spans {group} ranks, more than the {local_world_size} of "
+                    f"this node, so parameters are all-gathered across nodes every step; a parallel.cp x parallel.tp "
+                    f"that fits in a node would keep them inside one")
         what = "the number of nodes" if self.pp == 1 else "the nodes each pipeline stage spans"
         return (f"[train] notice: each FSDP shard group spans {group} ranks, more than the {local_world_size} of "
                 f"this node, so parameters are all-gathered across nodes every step; --parallel.dp_replicate{nodes} "

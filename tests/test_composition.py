@@ -102,14 +102,16 @@ def test_no_remedy_is_a_pair_another_row_refuses(first, second):
         assert set(after) <= set(before), f"{words(fix)} is refused by {set(after) - set(before)}"
 
 
-def test_rows_with_one_line_are_named_together_and_the_first_is_printed():
+def test_rows_with_one_line_are_named_together_and_the_first_is_printed_naming_the_other_pairs():
     cfg = configured({"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble", "train.compile": True,
                       "train.batch_stages": [BatchStage(1, 64)], "train.float8": "rowwise", "parallel.tp": 2})
     with pytest.raises(SetupError) as e:
         check_composition(cfg, "train_2d.py")
     assert str(e.value) == ("parallel.pp 2 does not run with train.float8, [[train.batch_stages]], train.compile "
                             "(under ZBVZeroBubble) yet (docs/pipeline.md); use train.float8 off and no "
-                            "[[train.batch_stages]] tables and train.compile false, or parallel.pp 1")
+                            "[[train.batch_stages]] tables and train.compile false, or parallel.pp 1 (these settings "
+                            "are also refused as train.float8 tensorwise or rowwise with parallel.tp > 1: "
+                            "docs/cluster.md)")
     with pytest.raises(SetupError, match="tensor parallelism runs with train_2d.py"):
         check_composition(cfg, "train_fsdp.py")  # the script's row first
     check_composition(configured({"parallel.tp": 2}), "train_2d.py")  # a script's row only under that script

@@ -101,7 +101,9 @@ WSD = ["--optim.schedule", "wsd"]
     ([*TARGET, *WSD, *RUNGS, "--budgets", "1,1e300"], "--budgets 1e+300 gives rung 32x2 "),  # was an OverflowError
     ([*TARGET, *WSD, *RUNGS, "--budgets", "1,1e15"], "more than train.steps can hold (2**63 - 1); use smaller budgets"),
     ([*TARGET, "--rungs", "32x4,64x2,96x4,128x4", "--parallel.pp", "4"],  # each run was refused after the data
-     "ladder size 64x2: parallel.pp (4) is more than its 2 layers: every stage needs a block; use parallel.pp <= 2"),
+     "ladder size 64x2: parallel.pp x its stages per rank (4 x 1) is more than its 2 layers; use parallel.pp <= 2"),
+    ([*TARGET, *RUNGS, "--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"],  # 2 x 2 stages of 2 layers
+     "ladder size 32x2: parallel.pp x its stages per rank (2 x 2) is more than its 2 layers; use parallel.pp <= 1"),
     ([*TARGET, *RUNGS, "--model.n_experts", "4", "--model.experts_per_token", "2", "--parallel.ep", "3"],
      "parallel.ep (3) does not divide model.n_experts (4)"),
     ([*TARGET, *RUNGS, "--parallel.pp", "2", "--train.float8", "rowwise"],

@@ -104,3 +104,18 @@ def test_the_notice_on_shard_groups_across_nodes_counts_one_pipeline_stage_and_i
         fixed = Layout.of(ParallelConfig(pp=pp, tp=tp, dp_replicate=replicate), world)
         fixed.check(local)
         assert fixed.shard_group_note(local) == ""
+
+
+def test_a_layout_refuses_degrees_below_one_ranks_outside_the_world_and_unknown_roles():
+    for bad in (lambda: Layout(0), lambda: Layout(4, tp=-1), lambda: Layout(4, pp=0)):
+        with pytest.raises(ValueError, match="integers >= 1"):
+            bad()
+    with pytest.raises(ValueError, match="rank 5 is not one of the 4 ranks"):
+        Layout(4).members("data", 5)
+    with pytest.raises(KeyError, match="the roles are data, loss"):
+        Layout(4).size("dp")
+
+
+def test_the_ep_sizes_offered_also_divide_the_experts():
+    with pytest.raises(SetupError, match=r"use parallel.ep in \[1, 2\] "):  # 4 divides the shard ranks, not 6 experts
+        Layout.of(ParallelConfig(ep=3), 4).check(4, n_experts=6)
