@@ -191,8 +191,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, total_steps: int, 
     named = list(model.named_parameters())
     args = getattr(model, "args", None)  # model.ModelArgs; a model without it trains under sp
     scaled = args is not None and args.parametrization != "sp"
-    # Declared roles (nn/roles.py): this project's model must declare every parameter's; another model has none.
-    role = roles(model, strict=args is not None)
+    # Declared roles (nn/roles.py): this project's model must declare every parameter's; another model (a bare Linear,
+    # or bench.py --src's model.py from before roles) declares none and trains with the defaults.
+    declares = any(hasattr(type(m), "ROLES") for m in model.modules())
+    role = roles(model, strict=args is not None and declares)
     # One group per kind, in the order parameters first appear: (decayed, Muon, a hidden matrix under mup/completep).
     # Kinds, not values, make the groups, so a resume with another weight decay finds the groups it saved.
     groups: dict[tuple, dict] = {}
