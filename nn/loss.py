@@ -173,10 +173,8 @@ def token_loss_sums(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.
                         torch.zeros((), device=inputs.device))
     kw = {} if layout is None else {"layout": layout}
     if chunk_size > 0:
-        def head(output, hidden):
-            return chunked_cross_entropy_sum(hidden.flatten(0, 1), output.weight, labels.flatten(), chunk_size, z_loss)
-
-        return LossSums(*model(inputs, head=head, **kw))
+        sums = model(inputs, head=ChunkedLossHead(labels, chunk_size, z_loss), **kw)
+        return LossSums(sums[0], sums[1].detach())
     return logits_loss_sums(model(inputs, **kw), labels, z_loss)
 
 
@@ -204,10 +202,7 @@ def token_loss_sum(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.T
     """
     kw = {} if layout is None else {"layout": layout}  # other model classes (benchmarks) take no layout
     if chunk_size > 0:
-        def head(output, hidden):
-            return chunked_cross_entropy_sum(hidden.flatten(0, 1), output.weight, labels.flatten(), chunk_size)
-
-        return model(inputs, head=head, **kw)
+        return model(inputs, head=ChunkedLossHead(labels, chunk_size), **kw)[0]
     logits = model(inputs, **kw)
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
@@ -217,9 +212,10 @@ class ChunkedLossHead:
     """A model head (Transformer.forward's head=) that returns the chunked loss sums of labels: a (2,) fp32 tensor
     [objective (cross-entropy sum plus z_loss times the logsumexp^2 sum, with autograd), logsumexp^2 sum].
 
-    A dataclass, so that a pipeline schedule splits its labels (batch, seq) int64 into micro-batches with the
-    tokens (parallel/pipeline.py registers it as a pytree) and the last stage takes its loss inside its forward,
-    where FSDP has gathered the output weight.
+    The one chunked head: token_loss_sum and token_loss_sums pass it to the whole model, and a pipeline's last
+    stage takes its loss inside its forward with it, where FSDP has gathered the output weight; a dataclass, so
+    that the schedule splits its labels (batch, seq) int64 into micro-batches with the tokens (parallel/pipeline.py
+    registers it as a pytree).
     """
 
     labels: torch.Tensor

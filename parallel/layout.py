@@ -249,15 +249,14 @@ class Layout:
         # This rank sees only its own node's size; the node count is exact when every node runs as many ranks. A
         # pipeline stage's ranks are a pp-th of them (the outermost dimension), so its replicas are its nodes.
         per_stage = local_world_size * self.pp
-        nodes = f" {self.world_size // per_stage}" if self.world_size % per_stage == 0 else ""
-        if nodes and self.data % int(nodes):  # CP x TP alone span the nodes: HSDP has no replicas to make
-            return (f"[train] notice: each FSDP shard group spans {group} ranks, more than the {local_world_size} of "
-                    f"this node, so parameters are all-gathered across nodes every step; a parallel.cp x parallel.tp "
-                    f"that fits in a node would keep them inside one")
+        nodes = self.world_size // per_stage if self.world_size % per_stage == 0 else 0
         what = "the number of nodes" if self.pp == 1 else "the nodes each pipeline stage spans"
+        if nodes and self.data % nodes:  # CP x TP alone span the nodes: HSDP has no replicas to make
+            fix = "a parallel.cp x parallel.tp that fits in a node would keep them inside one"
+        else:
+            fix = f"--parallel.dp_replicate{f' {nodes}' if nodes else ''} ({what}) keeps them inside a node (HSDP)"
         return (f"[train] notice: each FSDP shard group spans {group} ranks, more than the {local_world_size} of "
-                f"this node, so parameters are all-gathered across nodes every step; --parallel.dp_replicate{nodes} "
-                f"({what}) keeps them inside a node (HSDP)")
+                f"this node, so parameters are all-gathered across nodes every step; {fix}")
 
     def build(self, device: torch.device | str) -> Mesh:
         """The device mesh and every role's group (collective: every rank calls it, in the same order)."""

@@ -144,8 +144,6 @@ class Pipeline:
 
     model: Transformer
     schedule: object
-    across_stages: dist.ProcessGroup
-    """The pipeline's group: one rank per stage (layout.Mesh.pp)."""
     mesh: Mesh
     device: torch.device
     schedule_name: str
@@ -159,10 +157,6 @@ class Pipeline:
     n_microbatches: int = 1
     stage_rank: dict = dataclasses.field(default_factory=dict)
     """Stage index -> the pipeline rank that runs it."""
-    seq_split: int = 1
-    """The parts the sequence is split into between stages (tp under sequence parallelism)."""
-    vocab_parallel: bool = False
-    """Whether the logits are vocabulary-sharded (TP): the loss and its backward then run under loss_parallel."""
     loss_chunk_size: int = 0
     """train.loss_chunk_size as applied (0 under TP): the last stage then takes the loss in its forward, chunk by
     chunk (nn.loss.ChunkedLossHead), and never holds a micro-batch's logits."""
@@ -170,6 +164,21 @@ class Pipeline:
     """The loss's factor for the step: data-parallel ranks / the global batch's targets (training/step.py)."""
     sums: list = dataclasses.field(default_factory=list)
     """(cross-entropy sum, logsumexp^2 sum) of each loss_fn call of the step, detached."""
+
+    @property
+    def across_stages(self) -> dist.ProcessGroup:
+        """The pipeline's group: one rank per stage (layout.Mesh.pp)."""
+        return self.mesh.pp.get_group()
+
+    @property
+    def seq_split(self) -> int:
+        """The parts the sequence is split into between stages (tp under sequence parallelism)."""
+        return self.mesh.size("tp")
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """Whether the logits are vocabulary-sharded (TP): the loss and its backward then run under loss_parallel."""
+        return self.mesh.tp is not None
 
     @property
     def context(self) -> Callable:
@@ -353,9 +362,8 @@ def build_pipeline(model: Transformer, mesh: Mesh, device: torch.device, schedul
     stages = stage_modules(model)
     n_stages = pp * len(stages)
     stage_rank = {s: r for r in range(pp) for s in rank_stages(r, pp, len(stages), schedule)}
-    pipe = Pipeline(model, None, group, mesh, device, schedule, stages, n_stages, z_loss, act_dtype, microbatches,
-                    stage_rank, seq_split=mesh.size("tp"), vocab_parallel=mesh.tp is not None,
-                    loss_chunk_size=loss_chunk_size)
+    pipe = Pipeline(model, None, mesh, device, schedule, stages, n_stages, z_loss, act_dtype, microbatches,
+                    stage_rank, loss_chunk_size=loss_chunk_size)
     built = [PipelineStage(module, index, n_stages, device, group=group) for index, module in stages]
     # loss_fn on every rank: the schedule runs a backward only when it has one (only the last stage calls it)
     cls = schedules.get_schedule_class(schedule)
