@@ -94,6 +94,8 @@ class TrainConfig:
     """Validation uses up to this many global batches of held-out sequences."""
     nonfinite: Literal["stop", "skip"] = "stop"
     """A non-finite gradient norm: 'stop' the run (the last checkpoint stays as it was) or 'skip' that step's update."""
+    track_memory: bool = False
+    """On CPU, record each logged step's peak memory (train records' peak_bytes) by the planner's accounting of every tensor (parallel/accounting.py; it slows a step). On CUDA peak_bytes is always recorded (torch.cuda.max_memory_allocated)."""
     profile_steps: str = ""
     """Profile these 1-based steps on rank 0, e.g. '10-12': a Chrome/Perfetto trace (and on CUDA a memory snapshot) in RUN_DIR/profile/ (empty: off)."""
     loss_chunk_size: int = 0
@@ -288,6 +290,32 @@ def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:
                          f"margin or raise checkpoint.keep")
 
 
+def validate_layout(cfg: Config, world_size: int, local_world_size: int) -> None:
+    """validate's checks of the settings and the sizes alone, for world_size ranks of which local_world_size share
+    a node: what does not run together, the MoE's and the layout's sizes, the global batch's split, the pipeline's
+    and the rollback's. They need no device, data, file or collective, so plan.py checks a layout of any size
+    with them, as the trainer does; raises SetupError (ConfigError) naming the fields and the fix.
+    """
+    t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
+    check_composition(cfg)
+    check_moe(cfg, world_size)
+    Layout.of(cfg.parallel, world_size).check(local_world_size, cfg.model.n_experts)
+    m = cfg.model
+    check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads)
+    dp = cfg.parallel.data_parallel(world_size)
+    for i, (start, g) in enumerate(t.batch_schedule()):
+        name = "train.global_batch_size" if i == 0 else f"train.batch_stages[{i - 1}].global_batch_size"
+        micro = t.micro_batch(dp, start)
+        if not t.micro_batch_size and (g <= 0 or g % dp):  # the user set only the global batch
+            raise SetupError(f"{name} ({g}) must be a positive multiple of data-parallel size ({dp}), "
+                             f"so that every rank takes an equal share; change it or the number of processes")
+        if g <= 0 or g % (dp * micro):
+            raise SetupError(f"{name} ({g}) must be a positive multiple of data-parallel size ({dp}) "
+                             f"x train.micro_batch_size ({micro}) = {dp * micro}; change one of them")
+    check_pipeline(cfg, world_size)
+    check_rollback_reach(t, cfg.checkpoint)
+
+
 def validate(cfg: Config, world_size: int) -> None:
     """The checks across sections, files and the world size; needs no collective (run on every rank, first).
 
@@ -306,24 +334,8 @@ def validate(cfg: Config, world_size: int) -> None:
     do not run together (composition.TABLE, docs/cluster.md): the sizes the later checks offer
     keep the settings on or turn them off, so no remedy of theirs is a pair the table refuses.
     """
-    t, d, tp = cfg.train, cfg.data, cfg.parallel.tp
-    check_composition(cfg)
-    check_moe(cfg, world_size)
-    Layout.of(cfg.parallel, world_size).check(local_world_size(), cfg.model.n_experts)
-    m = cfg.model
-    check_cp_layout(cfg.parallel.cp, tp, d.seq_len, m.n_heads, m.n_kv_heads)
-    dp = cfg.parallel.data_parallel(world_size)
-    for i, (start, g) in enumerate(t.batch_schedule()):
-        name = "train.global_batch_size" if i == 0 else f"train.batch_stages[{i - 1}].global_batch_size"
-        micro = t.micro_batch(dp, start)
-        if not t.micro_batch_size and (g <= 0 or g % dp):  # the user set only the global batch
-            raise SetupError(f"{name} ({g}) must be a positive multiple of data-parallel size ({dp}), "
-                             f"so that every rank takes an equal share; change it or the number of processes")
-        if g <= 0 or g % (dp * micro):
-            raise SetupError(f"{name} ({g}) must be a positive multiple of data-parallel size ({dp}) "
-                             f"x train.micro_batch_size ({micro}) = {dp * micro}; change one of them")
-    check_pipeline(cfg, world_size)
-    check_rollback_reach(t, cfg.checkpoint)
+    t, d = cfg.train, cfg.data
+    validate_layout(cfg, world_size, local_world_size())
     device = resolve_device(t.device)
     if cfg.parallel.cpu_offload and device.type != "cuda":
         raise SetupError("parallel.cpu_offload needs a CUDA run; on CPU the parameters are in CPU memory already")

@@ -14,6 +14,7 @@ torchtitan does the same with an optimizer hook and a post-step hook.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from nn.moe import moe_layers
 from parallel import float8
+from parallel.accounting import account_step
 from parallel.layout import Mesh
 
 
@@ -150,10 +152,52 @@ class Float8Hook(StepHook):
         float8.precompute_scales(self.model)
 
 
-def model_hooks(cfg, model: nn.Module, mesh: Mesh, device) -> list[StepHook]:
+class PeakMemoryHook(StepHook):
+    """The step's peak memory on each rank, for the train record: `peak_bytes` (this rank's, rank 0's in the
+    record) and `peak_bytes_max` (the largest over the ranks).
+
+    On CUDA the allocator's peak since the step began (torch.cuda.max_memory_allocated). On CPU,
+    where no allocator keeps one, the planner's accounting of every tensor of the step
+    (accounting.account_step, memory only): what plan.py predicts, measured the same way.
+    """
+
+    def __init__(self, model: nn.Module, optimizer, device):
+        self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
+        self.tracking: contextlib.ExitStack | None = None
+        self.peak = 0
+
+    def begin(self) -> None:
+        self.end()  # a step that raised before its update left its tracker open
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self.tracking = contextlib.ExitStack()
+        self.account = self.tracking.enter_context(account_step(self.model, self.optimizer, count_comm=False))
+
+    def end(self) -> None:
+        if self.tracking is not None:
+            self.tracking.close()
+            self.tracking = None
+            self.peak = self.account.peak_bytes
+
+    def after_update(self, applied: bool) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        self.end()
+
+    def record(self, n_targets: int) -> dict:
+        peak = torch.tensor([float(self.peak)], device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return {"peak_bytes": self.peak, "peak_bytes_max": int(peak.item())}
+
+
+def model_hooks(cfg, model: nn.Module, mesh: Mesh, device, optimizer=None) -> list[StepHook]:
     """The hooks cfg's model features need on this rank (cfg: a config.Config, duck-typed: this module sits below
-    config.py); [] for a dense model in bf16 or fp32."""
+    config.py); [] for a dense model in bf16 or fp32 on CPU without train.track_memory. optimizer: the model's
+    (the peak memory's accounting counts its state; PeakMemoryHook on CUDA, or on CPU with train.track_memory)."""
     m, hooks = cfg.model, []
+    if optimizer is not None and (torch.device(device).type == "cuda" or cfg.train.track_memory):
+        hooks.append(PeakMemoryHook(model, optimizer, device))
     if m.n_experts:  # on every stage: one without MoE layers still joins the record's reductions
         layers = moe_layers(model)
         aux_on = any(x.aux_coef or x.z_coef for x in layers) or bool(m.moe_aux_loss or m.moe_router_z_loss)

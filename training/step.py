@@ -230,4 +230,4 @@ def build_trainable(cfg: Config, rank: int, mesh: Mesh, device: torch.device, tp
                                            batch_schedule=t.batch_schedule(), group=mesh.same_params)
     runner = build_runner(model, mesh, cfg, device, torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     return Trainable(cfg, rank, device, mesh, mesh.size("data"), model, optimizer, scheduler, TrainState(), runner,
-                     model_hooks(cfg, model, mesh, device))
+                     model_hooks(cfg, model, mesh, device, optimizer))

@@ -1,0 +1,174 @@
+"""One rank's training step, run by the trainer's own code at any world size in this one CPU process.
+
+PyTorch's fake process group (backend "fake": every collective returns at once and moves no
+data) stands in for the world, and FakeTensorMode for the tensors (shapes, dtypes and storage
+sizes, no data and no compute), so the real build (training.step.build_trainable: the mesh,
+the TP/CP/EP/PP plans, activation checkpointing, float8, FSDP2, the optimizer) and the real
+step (training.step.train_step) run for any layout: a plan is of the code that will run, not
+of a model of it. parallel/accounting.py measures the step as the trainer measures a real one.
+
+What fakes cannot do, the dry run does explicitly, and dry_run's docstring says how:
+the host reads a tensor (the gradient norm's finiteness, a count) -> a stated value; a mixture
+of experts routes by data -> a planned load; pipeline send/recv move nothing -> each stage is
+planned as its own rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from config import Config
+from parallel.accounting import account_step, held_bytes
+from parallel.layout import ROLES, Layout
+from parallel.parallelize import TPPlan
+from training.step import build_trainable, train_step
+
+ROLE_ORDER = ("tp", "cp", "ep", "pp", "experts_fsdp", "fsdp", "loss", "data", "same_params")
+"""The role a group is named by when several roles have the same ranks (the most specific first)."""
+assert set(ROLE_ORDER) == set(ROLES)
+
+
+@dataclasses.dataclass
+class RankPlan:
+    """What one rank's step holds and moves, from a dry run (bytes; a step is train.global_batch_size windows)."""
+
+    rank: int
+    stage: int
+    """Its first pipeline stage (0 without PP)."""
+    micro_batches: int
+    """Forward/backward passes of this rank per step: its gradient accumulation, or the pipeline schedule's
+    micro-batches."""
+    held: dict
+    """{'params', 'grads', 'optimizer': bytes}: the rank's shards of the parameters, of their gradients once whole,
+    and the optimizer's state (accounting.held_bytes, read after the backward of the accounted step)."""
+    peak_bytes: int
+    at_peak: dict
+    """{category: bytes} at the peak (accounting.CATEGORIES)."""
+    comm: dict
+    """{'collective role' (e.g. 'all_gather fsdp'): bytes per step}."""
+    calls: dict
+    """{'collective role': calls per step}."""
+    groups: dict
+    """{role: the rank's group of that role}, the roles its collectives used."""
+
+
+class HostValues(TorchDispatchMode):
+    """The answers a real step reads from its tensors, which fake tensors do not have.
+
+    A scalar read by the host (the gradient norm's finiteness check, a loss read for a log line)
+    is 1: the step proceeds as a finite one. A mixture of experts' token counts per expert
+    (torch.bincount of the routing) are the planned load: the mean on every expert, the first
+    one at max_load times the mean, the rest shared by the others, as real (not fake) tensors, so
+    the sizes the layer splits by are real; under expert parallelism every rank is taken to
+    route alike, so the counts an all-to-all exchanges come back as sent. An op whose inputs are
+    all real tensors (a device mesh's rank table, those counts) runs for real.
+    """
+
+    def __init__(self, max_load: float = 1.0):
+        super().__init__()
+        self.max_load = max_load
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1.0 if args[0].dtype.is_floating_point else 1
+        if func is torch.ops.aten.bincount.default:
+            return self.planned_counts(args[0].numel(), kwargs.get("minlength", args[2] if len(args) > 2 else 0))
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and not any(isinstance(a, FakeTensor) or a.is_meta for a in tensors):
+            if func is torch.ops._c10d_functional.all_to_all_single.default:
+                with unset_fake_temporarily():
+                    return args[0].clone()
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def planned_counts(self, n: int, n_experts: int) -> torch.Tensor:
+        """(n_experts,) int64 counts summing to n: the first expert at min(max_load x mean, n), the rest even."""
+        with unset_fake_temporarily():
+            first = min(n, math.ceil(self.max_load * n / n_experts)) if n_experts > 1 else n
+            rest = torch.full((n_experts - 1,), (n - first) // max(1, n_experts - 1), dtype=torch.int64)
+            rest[:(n - first) - int(rest.sum())] += 1
+            return torch.cat([torch.tensor([first]), rest])
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """The process group of a world of world_size ranks, this process as rank, with the fake backend; destroyed
+    on exit (so the next rank can be planned in the same process)."""
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def role_of(layout: Layout, ranks: tuple[int, ...], rank: int) -> str:
+    """The role (ROLE_ORDER's first) whose group of rank is ranks; 'world' for the whole world, else 'other'."""
+    for role in ROLE_ORDER:
+        if layout.role_dims(role) and tuple(layout.members(role, rank)) == ranks:
+            return role
+    return "world" if len(ranks) == layout.world_size else "other"
+
+
+def planned_ranks(layout: Layout) -> list[int]:
+    """The ranks a plan runs: one per pipeline rank (its first data-parallel, CP and TP rank); every other rank
+    holds and moves what one of these does (the same shapes: FSDP's, TP's and EP's splits are even)."""
+    return [layout.members("pp", 0)[s] for s in range(layout.pp)] if layout.pp > 1 else [0]
+
+
+def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = None, max_load: float = 1.0
+            ) -> RankPlan:
+    """Build the run on rank of world_size fake ranks and account one step (cfg already checked and resolved).
+
+    The step's data are drawn token ids (no corpus is read). Steps are run as the trainer runs
+    them: the first creates the optimizer state (as in any run, the steady state is from the
+    second on), then one accounted step. At pp 1 the first step takes one micro-batch and the
+    accounted step two; gradient accumulation repeats a micro-batch's collectives, so the
+    step's bytes are those of one plus (micro-batches - 1) times the second's extra, and its
+    peak is the second's (the gradients are already whole). Under a pipeline both steps run
+    all of the schedule's micro-batches. max_load: HostValues' planned expert load.
+    Raises what the trainer's build raises.
+    """
+    layout = Layout.of(cfg.parallel, world_size)
+    device = torch.device("cpu")
+    t = cfg.train
+    with fake_world(world_size, rank):
+        mesh = layout.build(device)  # before the fake mode: DeviceMesh reads its rank table
+        dp = mesh.size("data")
+        micro, per_rank = t.micro_batch(dp), t.global_batch_size // dp
+        n_micro = per_rank // micro
+        with FakeTensorMode(allow_non_fake_inputs=True), HostValues(max_load):
+            tr = build_trainable(cfg, rank, mesh, device, tp_plan)
+
+            def batches(n):
+                return [(torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len)),
+                         torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len))) for _ in range(n)]
+            first_n, second_n = (n_micro, n_micro) if layout.pp > 1 else (1, min(2, n_micro))
+            with account_step(tr.model, tr.optimizer, memory=False) as first:
+                train_step(tr, batches(first_n))
+            held = {}
+            with account_step(tr.model, tr.optimizer) as second:
+                train_step(tr, batches(second_n), lambda model: held.update(held_bytes(model, tr.optimizer)))
+    comm, calls = {}, {}
+    for key in set(first.comm) | set(second.comm):
+        kind, ranks = key
+        name = f"{kind} {role_of(layout, ranks, rank)}"
+        one, two = first.comm.get(key, 0), second.comm.get(key, 0)
+        c1, c2 = first.calls.get(key, 0), second.calls.get(key, 0)
+        if first_n != n_micro:  # extrapolate over the accumulation (see above)
+            two, c2 = one + (n_micro - 1) * (two - one), c1 + (n_micro - 1) * (c2 - c1)
+        comm[name] = comm.get(name, 0) + two
+        calls[name] = calls.get(name, 0) + c2
+    groups = {role: layout.members(role, rank) for role in ROLES if layout.role_dims(role)}
+    passes = getattr(tr.runner, "n_microbatches", n_micro)
+    return RankPlan(rank, layout.stages(rank)[0], passes, held, second.peak_bytes, second.at_peak, comm, calls,
+                    groups)
