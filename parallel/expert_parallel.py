@@ -66,7 +66,8 @@ def ep_forward(experts: nn.Module, x: Tensor, counts: Tensor, *, ep: int, group)
     The split sizes come to the host (one sync per MoE layer and direction, as in torchtitan).
     """
     n_local = counts.numel() // ep
-    recv_counts = funcol.all_to_all_single(counts, None, None, group).wait().view(ep, n_local)
+    # wait_tensor, not .wait(): under fake tensors (plan.py) the collective returns a plain tensor
+    recv_counts = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, group)).view(ep, n_local)
     send = counts.view(ep, n_local).sum(1).tolist()
     recv = recv_counts.sum(1).tolist()
     rows = funcol.all_to_all_single_autograd(x, recv, send, group)

@@ -69,7 +69,8 @@ class HostValues(TorchDispatchMode):
     one at max_load times the mean, the rest shared by the others, as real (not fake) tensors, so
     the sizes the layer splits by are real; under expert parallelism every rank is taken to
     route alike, so the counts an all-to-all exchanges come back as sent. An op whose inputs are
-    all real tensors (a device mesh's rank table, those counts) runs for real.
+    all real tensors (a device mesh's rank table, those counts) runs for real, and so does an
+    integer arange (the index arithmetic on the counts).
     """
 
     def __init__(self, max_load: float = 1.0):
@@ -78,16 +79,18 @@ class HostValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and not any(isinstance(a, FakeTensor) or a.is_meta for a in tensors):
+            with unset_fake_temporarily():
+                if func is torch.ops._c10d_functional.all_to_all_single.default:
+                    return args[0].clone()
+                return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
             return 1.0 if args[0].dtype.is_floating_point else 1
         if func is torch.ops.aten.bincount.default:
             return self.planned_counts(args[0].numel(), kwargs.get("minlength", args[2] if len(args) > 2 else 0))
-        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if tensors and not any(isinstance(a, FakeTensor) or a.is_meta for a in tensors):
-            if func is torch.ops._c10d_functional.all_to_all_single.default:
-                with unset_fake_temporarily():
-                    return args[0].clone()
-            with unset_fake_temporarily():
+        if func.overloadpacket is torch.ops.aten.arange and not (kwargs.get("dtype") or torch.int64).is_floating_point:
+            with unset_fake_temporarily():  # index arithmetic on those real counts (expert_parallel._expert_major)
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 

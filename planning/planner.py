@@ -14,6 +14,7 @@ import time
 
 import train_2d
 from config import Config, validate_layout
+from core.errors import SetupError
 from model import num_params
 from parallel.composition import check_composition
 from parallel.layout import Layout
@@ -149,6 +150,9 @@ def plan_run(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, max_loa
     trainer's UserError for a layout it refuses.
     """
     check_layout_run(cfg, world_size, gpus_per_node)
+    if cfg.parallel.pp > 1:
+        raise SetupError("plan.py does not plan pipeline layouts yet (the fake process group's send/recv carry no "
+                         "stage shapes to the next stage: docs/planning.md); plan it with --parallel.pp 1")
     cfg = copy.deepcopy(cfg)
     notes = []
     if cfg.train.compile:
@@ -164,8 +168,6 @@ def plan_run(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, max_loa
     if cfg.model.n_experts:
         notes.append(f"the experts' all-to-all and grouped matmuls planned at a load of {max_load:g} "
                      f"(the busiest expert's tokens over the mean; --plan.moe_max_load)")
-    if layout.pp > 1:
-        notes.append("each pipeline stage planned as its own rank (the fake process group's send/recv move nothing)")
     return Plan(cfg, world_size, gpus_per_node, gpu, ranks, time.perf_counter() - started, notes)
 
 
