@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import sys
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _sharding_prop as sharding_prop
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,7 +62,7 @@ class RankPlan:
     calls: dict
     """{'collective role': calls per step}."""
     groups: dict
-    """{role: the rank's group of that role}, the roles its collectives used."""
+    """{group name (a role or a mesh dimension): its ranks} of the groups the rank's collectives used."""
 
 
 class HostValues(TorchDispatchMode):
@@ -108,12 +111,13 @@ class HostValues(TorchDispatchMode):
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int):
     """The process group of a world of world_size ranks, this process as rank, with the fake backend; destroyed
-    on exit (so the next rank can be planned in the same process)."""
+    on exit, with what DTensor cached of its meshes (so the next rank can be planned in the same process)."""
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()
 
 
 @contextlib.contextmanager
@@ -130,11 +134,40 @@ def own_propagation():
         yield
 
 
+def forget_meshes() -> None:
+    """Clear every cache of torch.distributed.tensor (sharding decisions, redistribution plans, mesh topologies).
+
+    They are keyed by DeviceMesh, and a mesh compares equal to another of the same shape and
+    names whatever its process groups: after one plan's world is destroyed, the next plan's
+    meshes would be handed the old ones' decisions, and with them groups that no longer exist.
+    """
+    seen = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed.tensor") or module is None:
+            continue
+        for holder in [module, *[v for v in vars(module).values() if isinstance(v, type)]]:
+            for value in list(vars(holder).values()):
+                value = getattr(value, "__func__", value)  # staticmethod, classmethod
+                if isinstance(value, functools._lru_cache_wrapper) and id(value) not in seen:
+                    seen.add(id(value))
+                    value.cache_clear()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
+
+
 def role_of(layout: Layout, ranks: tuple[int, ...], rank: int) -> str:
-    """The role (ROLE_ORDER's first) whose group of rank is ranks; 'world' for the whole world, else 'other'."""
+    """The name of rank's group ranks: the role whose group it is (ROLE_ORDER's first), else the mesh dimension
+    along which its ranks differ (HSDP's 'dp_shard' and 'dp_replicate'), else 'world' or 'other'."""
     for role in ROLE_ORDER:
         if layout.role_dims(role) and tuple(layout.members(role, rank)) == ranks:
             return role
+    mine = layout.coords(rank)
+    for dim, _ in layout.dims():
+        along = [0]
+        for name, size in layout.dims():  # row-major, as Layout.members
+            along = [r * size + c for r in along for c in (range(size) if name == dim else (mine[name],))]
+        if tuple(along) == ranks:
+            return dim
     return "world" if len(ranks) == layout.world_size else "other"
 
 
@@ -177,17 +210,18 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
             held = {}
             with account_step(tr.model, tr.optimizer) as second:
                 train_step(tr, batches(second_n), lambda model: held.update(held_bytes(model, tr.optimizer)))
-    comm, calls = {}, {}
+    comm, calls, groups = {}, {}, {}
     for key in set(first.comm) | set(second.comm):
         kind, ranks = key
-        name = f"{kind} {role_of(layout, ranks, rank)}"
+        group = role_of(layout, ranks, rank)
+        groups[group] = list(ranks)
+        name = f"{kind} {group}"
         one, two = first.comm.get(key, 0), second.comm.get(key, 0)
         c1, c2 = first.calls.get(key, 0), second.calls.get(key, 0)
         if first_n != n_micro:  # extrapolate over the accumulation (see above)
             two, c2 = one + (n_micro - 1) * (two - one), c1 + (n_micro - 1) * (c2 - c1)
         comm[name] = comm.get(name, 0) + two
         calls[name] = calls.get(name, 0) + c2
-    groups = {role: layout.members(role, rank) for role in ROLES if layout.role_dims(role)}
     passes = getattr(tr.runner, "n_microbatches", n_micro)
     return RankPlan(rank, layout.stages(rank)[0], passes, held, second.peak_bytes, second.at_peak, comm, calls,
                     groups)
