@@ -92,6 +92,11 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.bytes: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
+        self.marks: list[tuple[dict, dict]] = []
+        """(bytes, calls) so far at each mark(): account_step marks each forward of the root (a micro-batch)."""
+
+    def mark(self) -> None:
+        self.marks.append((dict(self.bytes), dict(self.calls)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -117,6 +122,8 @@ class StepAccount:
     """{(collective, group ranks): bytes} this rank moved (CommCounter)."""
     calls: dict = dataclasses.field(default_factory=dict)
     """{(collective, group ranks): calls}."""
+    marks: list = dataclasses.field(default_factory=list)
+    """(comm, calls) so far when each forward of the root began: marks[1] is the first micro-batch's."""
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -129,6 +136,17 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {"params": sum(_nbytes(local(p)) for p in params),
             "grads": sum(_nbytes(local(p.grad)) for p in params if p.grad is not None),
             "optimizer": sum(_nbytes(local(v)) for v in state)}
+
+
+class StepMemTracker(FSDPMemTracker):
+    """FSDPMemTracker keeping the step's peak only: after every op it would also update the peak of each module
+    being run, over all the modules it has seen (a fifth of a dry run's time at 80 layers); nothing reads those."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
 
 
 @contextlib.contextmanager
@@ -145,25 +163,28 @@ def account_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, count
     if not memory:
         tracker = contextlib.nullcontext()
     elif isinstance(model, FSDPModule):
-        tracker = FSDPMemTracker(model, optimizer)
+        tracker = StepMemTracker(model, optimizer)
     else:
         tracker = MemTracker()
         tracker.track_external(model, optimizer)
     counter = CommCounter() if count_comm else contextlib.nullcontext()
     account = StepAccount()
-    # FSDPMemTracker refuses a second forward of its root in one step (gradient accumulation, a pipeline's
-    # micro-batches) unless its per-module statistics, which nothing here reads, are cleared before each;
-    # the step's peak is kept apart from them.
-    # (A global hook: it runs before the root's own, FSDP's among them.)
-    handle = register_module_forward_pre_hook(
-        lambda module, _: tracker.reset_mod_stats() if module is model else None) \
-        if isinstance(tracker, FSDPMemTracker) else None
+
+    def before_forward(module, _):
+        if module is not model:
+            return
+        if isinstance(tracker, FSDPMemTracker):
+            # FSDPMemTracker refuses a second forward of its root in one step (gradient accumulation) unless its
+            # per-module statistics, which nothing here reads, are cleared first; the step's peak is kept apart.
+            tracker.reset_mod_stats()
+        if count_comm:
+            counter.mark()
+    handle = register_module_forward_pre_hook(before_forward)  # global: it runs before the root's own (FSDP's)
     try:
         with tracker, counter:
             yield account
     finally:
-        if handle is not None:
-            handle.remove()
+        handle.remove()
     peak = tracker.get_tracker_snapshot("peak") if memory else {}
     for snap in peak.values():  # one device: the rank's
         account.peak_bytes = max(account.peak_bytes, int(snap.get("Total", 0)))
@@ -174,4 +195,4 @@ def account_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, count
                 at[key] += int(nbytes)
         account.at_peak = at
     if count_comm:
-        account.comm, account.calls = dict(counter.bytes), dict(counter.calls)
+        account.comm, account.calls, account.marks = dict(counter.bytes), dict(counter.calls), counter.marks

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from config import Config
 from parallel.accounting import account_step, held_bytes
+from parallel import parallelize
 from parallel.layout import ROLES, Layout
 from parallel.parallelize import TPPlan
 from training.step import build_trainable, train_step
@@ -78,12 +79,16 @@ class HostValues(TorchDispatchMode):
     integer arange (the index arithmetic on the counts).
     """
 
+    SPECIAL = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.bincount.default)
+
     def __init__(self, max_load: float = 1.0):
         super().__init__()
         self.max_load = max_load
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in self.SPECIAL and any(isinstance(a, FakeTensor) for a in args):
+            return func(*args, **kwargs)  # the common case, first: an op on fake tensors
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         if tensors and not any(isinstance(a, FakeTensor) or a.is_meta for a in tensors):
             with unset_fake_temporarily():
@@ -181,14 +186,14 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
             ) -> RankPlan:
     """Build the run on rank of world_size fake ranks and account one step (cfg already checked and resolved).
 
-    The step's data are drawn token ids (no corpus is read). Steps are run as the trainer runs
-    them: the first creates the optimizer state (as in any run, the steady state is from the
-    second on), then one accounted step. At pp 1 the first step takes one micro-batch and the
-    accounted step two; gradient accumulation repeats a micro-batch's collectives, so the
-    step's bytes are those of one plus (micro-batches - 1) times the second's extra, and its
-    peak is the second's (the gradients are already whole). Under a pipeline both steps run
-    all of the schedule's micro-batches. max_load: HostValues' planned expert load.
-    Raises what the trainer's build raises.
+    The step's data are drawn token ids (no corpus is read). The optimizer's state is created
+    first (optimizer_state), as a real run's first step creates it, then one step runs as the
+    trainer runs it, accounted. It takes two micro-batches where the run accumulates more:
+    every micro-batch but the last repeats the first's collectives (the last reduces the
+    gradients), so the step's bytes are the two's plus the first's for each one more, and its
+    peak is the second's (the gradients already exist). Under a pipeline it runs all of the
+    schedule's micro-batches. max_load: HostValues' planned expert load. The weights keep
+    their fake shards uninitialised (keep_shard). Raises what the trainer's build raises.
     """
     layout = Layout.of(cfg.parallel, world_size)
     device = torch.device("cpu")
@@ -198,30 +203,39 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
         dp = mesh.size("data")
         micro, per_rank = t.micro_batch(dp), t.global_batch_size // dp
         n_micro = per_rank // micro
-        with FakeTensorMode(allow_non_fake_inputs=True), HostValues(max_load), own_propagation():
+        with FakeTensorMode(allow_non_fake_inputs=True), HostValues(max_load), own_propagation(), \
+                mock.patch.object(parallelize, "copy_sharded", keep_shard):
             tr = build_trainable(cfg, rank, mesh, device, tp_plan)
-
-            def batches(n):
-                return [(torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len)),
-                         torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len))) for _ in range(n)]
-            first_n, second_n = (n_micro, n_micro) if layout.pp > 1 else (1, min(2, n_micro))
-            with account_step(tr.model, tr.optimizer, memory=False) as first:
-                train_step(tr, batches(first_n))
+            optimizer_state(tr.optimizer, tr.model)
+            n = n_micro if layout.pp > 1 else min(2, n_micro)
+            batches = [(torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len)),
+                        torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_len))) for _ in range(n)]
             held = {}
-            with account_step(tr.model, tr.optimizer) as second:
-                train_step(tr, batches(second_n), lambda model: held.update(held_bytes(model, tr.optimizer)))
+            with account_step(tr.model, tr.optimizer) as step:
+                train_step(tr, batches, lambda model: held.update(held_bytes(model, tr.optimizer)))
+    # Gradient accumulation repeats the first micro-batch's collectives (the last one's end the step).
+    first = step.marks[1] if n < n_micro and len(step.marks) > 1 else ({}, {})
     comm, calls, groups = {}, {}, {}
-    for key in set(first.comm) | set(second.comm):
+    for key in step.comm:
         kind, ranks = key
         group = role_of(layout, ranks, rank)
         groups[group] = list(ranks)
         name = f"{kind} {group}"
-        one, two = first.comm.get(key, 0), second.comm.get(key, 0)
-        c1, c2 = first.calls.get(key, 0), second.calls.get(key, 0)
-        if first_n != n_micro:  # extrapolate over the accumulation (see above)
-            two, c2 = one + (n_micro - 1) * (two - one), c1 + (n_micro - 1) * (c2 - c1)
-        comm[name] = comm.get(name, 0) + two
-        calls[name] = calls.get(name, 0) + c2
+        comm[name] = comm.get(name, 0) + step.comm[key] + (n_micro - n) * first[0].get(key, 0)
+        calls[name] = calls.get(name, 0) + step.calls[key] + (n_micro - n) * first[1].get(key, 0)
     passes = getattr(tr.runner, "n_microbatches", n_micro)
-    return RankPlan(rank, layout.stages(rank)[0], passes, held, second.peak_bytes, second.at_peak, comm, calls,
-                    groups)
+    return RankPlan(rank, layout.stages(rank)[0], passes, held, step.peak_bytes, step.at_peak, comm, calls, groups)
+
+
+def keep_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """parallelize.copy_sharded in a dry run: the parameter keeps the shard to_empty gave it. Fake values need no
+    initialising, and splitting each full tensor into world-size pieces was a third of a dry run at 512 ranks."""
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """Create the optimizer's state as its first step does (an update of zero gradients), without a training step:
+    the accounted step is then one of the steady state, as a real run's second."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
