@@ -90,6 +90,10 @@ class HostValues(TorchDispatchMode):
         if func not in self.SPECIAL and any(isinstance(a, FakeTensor) for a in args):
             return func(*args, **kwargs)  # the common case, first: an op on fake tensors
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and all(a.is_meta and not isinstance(a, FakeTensor) for a in tensors) \
+                and str(kwargs.get("device", "meta")) == "meta":
+            with unset_fake_temporarily():  # the meta device's own ops (FSDP splitting a model built on it)
+                return func(*args, **kwargs)
         if tensors and not any(isinstance(a, FakeTensor) or a.is_meta for a in tensors):
             with unset_fake_temporarily():
                 if func is torch.ops._c10d_functional.all_to_all_single.default:
