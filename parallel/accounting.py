@@ -92,14 +92,17 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.bytes: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
-        self.marks: list[tuple[dict, dict]] = []
-        """(bytes, calls) so far at each mark(): account_step marks each forward of the root (a micro-batch)."""
+        self.ops = 0
+        """Operators dispatched while active (every aten op of the step, a collective among them)."""
+        self.marks: list[tuple[dict, dict, int]] = []
+        """(bytes, calls, ops) so far at each mark(): account_step marks each forward of the root (a micro-batch)."""
 
     def mark(self) -> None:
-        self.marks.append((dict(self.bytes), dict(self.calls)))
+        self.marks.append((dict(self.bytes), dict(self.calls), self.ops))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.ops += 1
         kind = COLLECTIVES.get(func.__name__.split(".")[0]) if func.namespace in ("c10d", "_c10d_functional") \
             else None
         if kind is not None:
@@ -122,8 +125,10 @@ class StepAccount:
     """{(collective, group ranks): bytes} this rank moved (CommCounter)."""
     calls: dict = dataclasses.field(default_factory=dict)
     """{(collective, group ranks): calls}."""
+    ops: int = 0
+    """Operators the step dispatched on this rank (CommCounter.ops)."""
     marks: list = dataclasses.field(default_factory=list)
-    """(comm, calls) so far when each forward of the root began: marks[1] is the first micro-batch's."""
+    """(comm, calls, ops) so far when each forward of the root began: marks[1] is the first micro-batch's."""
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -196,3 +201,4 @@ def account_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, count
         account.at_peak = at
     if count_comm:
         account.comm, account.calls, account.marks = dict(counter.bytes), dict(counter.calls), counter.marks
+        account.ops = counter.ops

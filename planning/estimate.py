@@ -1,11 +1,13 @@
 """A step's predicted time from a dry run's figures: the model, stated, so a prediction can be checked and argued.
 
   compute      the rank's FLOPs (model FLOPs, plus the forward again under full activation
-               checkpointing, a third of it under selective) at gpu.efficiency x the peak
+               checkpointing, a third of it under selective) at gpu.efficiency x the peak, plus
+               the host's fixed time per operator dispatched (eager PyTorch on a CPU; 0 on a GPU)
   collectives  each one's bytes over the link its group crosses (intra_node when the group's
                ranks share a node, else inter_node), by the ring algorithm: an all-gather or a
                reduce-scatter moves (n-1)/n of the gathered bytes, an all-reduce twice that, an
-               all-to-all (n-1)/n of its input, a send or receive all of it
+               all-to-all (n-1)/n of its input, a send or receive all of it; plus a fixed
+               latency per call
   overlap      FSDP's gathers and reductions (roles fsdp, experts_fsdp) run behind the compute
                (FSDP2 prefetches the next block's): only what exceeds the compute, plus one block's
                share (the first gather, the last reduction), is exposed. TP's, CP's and EP's
@@ -73,13 +75,15 @@ def estimate(plan: RankPlan, cfg: Config, world_size: int, gpu: GPU, gpus_per_no
     t = cfg.train
     peak = gpu.fp8_flops if t.float8 != "off" and gpu.fp8_flops else gpu.bf16_flops
     rank_flops = flops_per_step(cfg) / world_size * (1 + RECOMPUTE[t.activation_checkpointing])
-    compute = rank_flops / (peak * gpu.efficiency)
+    compute = rank_flops / (peak * gpu.efficiency) + plan.ops * gpu.op_overhead_s
+    if gpu.cores and gpus_per_node > gpu.cores:  # CPU ranks time-sharing the cores
+        compute *= gpus_per_node / gpu.cores
     comm, overlapped, exposed = {}, 0.0, 0.0
     for name, nbytes in plan.comm.items():
         kind, role = name.split(" ", 1)
         ranks = plan.groups.get(role, list(range(world_size)))
         bandwidth = getattr(gpu, link_of(layout, ranks, gpus_per_node))
-        seconds = nbytes * ring_factor(kind, len(ranks)) / bandwidth
+        seconds = nbytes * ring_factor(kind, len(ranks)) / bandwidth + plan.calls.get(name, 0) * gpu.collective_latency_s
         comm[name] = seconds
         if role in OVERLAPPED and kind in ("all_gather", "reduce_scatter"):
             overlapped += seconds

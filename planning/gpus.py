@@ -34,6 +34,14 @@ class GPU:
     efficiency: float
     """The fraction of the peak a training step's matmuls reach (calibrated: see docs/planning.md)."""
     source: str
+    op_overhead_s: float = 0.0
+    """The host's time per operator dispatched, seconds: eager PyTorch's Python and dispatcher work (0 on a GPU,
+    where the launches run ahead of the device's work)."""
+    collective_latency_s: float = 20e-6
+    """Each collective call's fixed cost, seconds (NCCL's small-message latency; gloo's on the cpu entry)."""
+    cores: int = 0
+    """The cpu entry: the cores its ranks share (more ranks than cores on a node time-share them); 0 for a GPU,
+    which each rank has to itself."""
 
 
 GPUS = {g.name: g for g in (
@@ -53,11 +61,12 @@ GPUS = {g.name: g for g in (
     GPU("mi300x", 1307e12, 2615e12, 192 * 10 ** 9, 5.3e12, 448e9, 50e9, 0.45,
         "AMD Instinct MI300X data sheet: 1,307 TFLOP/s bf16, 2,615 fp8 dense, 192 GB HBM3 at 5.3 TB/s, 7 Infinity "
         "Fabric links of 64 GB/s each way, 400 Gb/s per GPU; efficiency lower than Hopper's (assumed)"),
-    GPU("cpu", 1.89e11, 0.0, 12 * GIB, 20e9, 0.30e9, 0.30e9, 0.3,
+    GPU("cpu", 1.89e11, 0.0, 12 * GIB, 20e9, 0.30e9, 0.30e9, 0.72,
         "this project's 2-core machine, one thread per gloo rank (torchrun's OMP_NUM_THREADS=1), 24 GiB shared by "
         "2 ranks: fp32 GEMM 189 GFLOP/s (observability.metrics.measured_cpu_peak_flops on 1 thread), gloo "
-        "all-gather 0.30 GB/s received (torchrun --nproc_per_node 2, 4 and 32 MiB per rank); efficiency 0 means "
-        "the step is timed by estimate.cpu_step_s's measured rates instead"),
+        "all-gather 0.30 GB/s received (torchrun --nproc_per_node 2, 4 and 32 MiB per rank); the efficiency and "
+        "the time per operator fitted to two 1-rank runs (the debug model and dim 512 x 8 layers: "
+        "benchmarks/plan_bench.py, docs/planning.md)", op_overhead_s=29e-6, collective_latency_s=100e-6, cores=2),
 )}
 
 
