@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from config import Config
-from parallel.accounting import account_step, held_bytes
 from parallel import parallelize
+from parallel.accounting import account_step, held_bytes
 from parallel.layout import ROLES, Layout
 from parallel.parallelize import TPPlan
 from training.step import build_trainable, train_step
