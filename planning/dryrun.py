@@ -7,10 +7,10 @@ the TP/CP/EP/PP plans, activation checkpointing, float8, FSDP2, the optimizer) a
 step (training.step.train_step) run for any layout: a plan is of the code that will run, not
 of a model of it. parallel/accounting.py measures the step as the trainer measures a real one.
 
-What fakes cannot do, the dry run does explicitly, and dry_run's docstring says how:
-the host reads a tensor (the gradient norm's finiteness, a count) -> a stated value; a mixture
-of experts routes by data -> a planned load; pipeline send/recv move nothing -> each stage is
-planned as its own rank.
+What fakes cannot do, the dry run does explicitly (HostValues, dry_run): the host reads a
+tensor (the gradient norm's finiteness, a count) -> a stated value; a mixture of experts routes
+by data -> a planned load. A pipeline's stages exchange their tensors' shapes by send/recv on
+their first step, which a fake world does not deliver: plan.py does not plan pipelines yet.
 """
 from __future__ import annotations
 
