@@ -1,8 +1,9 @@
 """plan.py --search: the layouts worth trying for a model at a world size, each planned, the best first.
 
-The candidates are tensor parallelism inside a node (1, 2, 4, 8), pipeline stages (1, 2, 4) and
-activation checkpointing (none, then full only where none does not fit: full only recomputes),
-with the config's CP, EP, micro-batch and schedule; each goes through the trainer's own checks
+The candidates are tensor parallelism inside a node (1, 2, 4, 8) for a dense model, expert
+parallelism over a node (or none) for a mixture of experts, and activation checkpointing (none,
+then full only where none does not fit: full only recomputes), with the config's CP,
+micro-batch and schedule (pipelines are not planned yet); each goes through the trainer's own checks
 (a layout it refuses is listed with its reason) and a dry run. The fitting ones are ranked by
 predicted tokens/s; each is printed with the torchrun command that starts it.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import shlex
 
 from config import Config
@@ -58,8 +60,12 @@ def fit_batch(cfg: Config, world_size: int, given: bool) -> str:
 
 
 def candidates(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict]:
-    """The settings --search tries, in the order it tries them."""
+    """The settings --search tries, in the order it tries them: tensor parallelism for a dense model; for a mixture
+    of experts, expert parallelism over a node's ranks (or the experts, when fewer) instead, as EP x TP is refused."""
     out = []
+    if cfg.model.n_experts:
+        eps = sorted({1, math.gcd(gpus_per_node, cfg.model.n_experts, world_size)})
+        return [{"parallel.tp": 1, "parallel.pp": 1, "parallel.ep": ep} for ep in eps]
     for tp in TP:
         for pp in PP:
             if tp > gpus_per_node or world_size % (tp * pp) or cfg.model.n_layers % pp:
