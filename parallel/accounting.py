@@ -19,6 +19,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -94,15 +95,20 @@ class CommCounter(TorchDispatchMode):
         self.calls: collections.Counter = collections.Counter()
         self.ops = 0
         """Operators dispatched while active (every aten op of the step, a collective among them)."""
-        self.marks: list[tuple[dict, dict, int]] = []
-        """(bytes, calls, ops) so far at each mark(): account_step marks each forward of the root (a micro-batch)."""
+        self.dtensor_ops = 0
+        """Of those, the ones on DTensors (each propagates its sharding before its local op runs)."""
+        self.marks: list[tuple[dict, dict, int, int]] = []
+        """(bytes, calls, ops, dtensor_ops) so far at each mark(): account_step marks each forward of the root (a
+        micro-batch)."""
 
     def mark(self) -> None:
-        self.marks.append((dict(self.bytes), dict(self.calls), self.ops))
+        self.marks.append((dict(self.bytes), dict(self.calls), self.ops, self.dtensor_ops))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self.ops += 1
+        if DTensor in types:
+            self.dtensor_ops += 1
         kind = COLLECTIVES.get(func.__name__.split(".")[0]) if func.namespace in ("c10d", "_c10d_functional") \
             else None
         if kind is not None:
@@ -127,8 +133,11 @@ class StepAccount:
     """{(collective, group ranks): calls}."""
     ops: int = 0
     """Operators the step dispatched on this rank (CommCounter.ops)."""
+    dtensor_ops: int = 0
+    """Of those, the ones on DTensors (CommCounter.dtensor_ops)."""
     marks: list = dataclasses.field(default_factory=list)
-    """(comm, calls, ops) so far when each forward of the root began: marks[1] is the first micro-batch's."""
+    """(comm, calls, ops, dtensor_ops) so far when each forward of the root began: marks[1] is the first
+    micro-batch's."""
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -201,4 +210,4 @@ def account_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, count
         account.at_peak = at
     if count_comm:
         account.comm, account.calls, account.marks = dict(counter.bytes), dict(counter.calls), counter.marks
-        account.ops = counter.ops
+        account.ops, account.dtensor_ops = counter.ops, counter.dtensor_ops

@@ -66,6 +66,8 @@ class RankPlan:
     """{group name (a role or a mesh dimension): its ranks} of the groups the rank's collectives used."""
     ops: int = 0
     """Operators the rank's step dispatches (forward, backward, optimizer): each costs the host a fixed time."""
+    dtensor_ops: int = 0
+    """Of those, the ones on DTensors: each costs the host its sharding propagation too."""
 
 
 class HostValues(TorchDispatchMode):
@@ -220,8 +222,9 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
             with account_step(tr.model, tr.optimizer) as step:
                 train_step(tr, batches, lambda model: held.update(held_bytes(model, tr.optimizer)))
     # Gradient accumulation repeats the first micro-batch's collectives (the last one's end the step).
-    first = step.marks[1] if n < n_micro and len(step.marks) > 1 else ({}, {}, 0)
+    first = step.marks[1] if n < n_micro and len(step.marks) > 1 else ({}, {}, 0, 0)
     ops = step.ops + (n_micro - n) * first[2]
+    dtensor_ops = step.dtensor_ops + (n_micro - n) * first[3]
     comm, calls, groups = {}, {}, {}
     for key in step.comm:
         kind, ranks = key
@@ -232,7 +235,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
         calls[name] = calls.get(name, 0) + step.calls[key] + (n_micro - n) * first[1].get(key, 0)
     passes = getattr(tr.runner, "n_microbatches", n_micro)
     return RankPlan(rank, layout.stages(rank)[0], passes, held, step.peak_bytes, step.at_peak, comm, calls, groups,
-                    ops)
+                    ops, dtensor_ops)
 
 
 def keep_shard(param: torch.Tensor, full: torch.Tensor) -> None:

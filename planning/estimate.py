@@ -2,7 +2,8 @@
 
   compute      the rank's FLOPs (model FLOPs, plus the forward again under full activation
                checkpointing, a third of it under selective) at gpu.efficiency x the peak, plus
-               the host's fixed time per operator dispatched (eager PyTorch on a CPU; 0 on a GPU)
+               the host's fixed time per operator dispatched, more for a DTensor's (eager
+               PyTorch on a CPU; 0 on a GPU, where the launches run ahead of the device)
   collectives  each one's bytes over the link its group crosses (intra_node when the group's
                ranks share a node, else inter_node), by the ring algorithm: an all-gather or a
                reduce-scatter moves (n-1)/n of the gathered bytes, an all-reduce twice that, an
@@ -75,7 +76,8 @@ def estimate(plan: RankPlan, cfg: Config, world_size: int, gpu: GPU, gpus_per_no
     t = cfg.train
     peak = gpu.fp8_flops if t.float8 != "off" and gpu.fp8_flops else gpu.bf16_flops
     rank_flops = flops_per_step(cfg) / world_size * (1 + RECOMPUTE[t.activation_checkpointing])
-    compute = rank_flops / (peak * gpu.efficiency) + plan.ops * gpu.op_overhead_s
+    compute = rank_flops / (peak * gpu.efficiency) + plan.ops * gpu.op_overhead_s + \
+        plan.dtensor_ops * gpu.dtensor_op_overhead_s
     if gpu.cores and gpus_per_node > gpu.cores:  # CPU ranks time-sharing the cores
         compute *= gpus_per_node / gpu.cores
     comm, overlapped, exposed = {}, 0.0, 0.0

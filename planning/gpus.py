@@ -37,6 +37,9 @@ class GPU:
     op_overhead_s: float = 0.0
     """The host's time per operator dispatched, seconds: eager PyTorch's Python and dispatcher work (0 on a GPU,
     where the launches run ahead of the device's work)."""
+    dtensor_op_overhead_s: float = 0.0
+    """The host's extra time per operator on DTensors (sharding propagation, redistribution), seconds (0 on a GPU,
+    as op_overhead_s)."""
     collective_latency_s: float = 20e-6
     """Each collective call's fixed cost, seconds (NCCL's small-message latency; gloo's on the cpu entry)."""
     cores: int = 0
@@ -66,7 +69,8 @@ GPUS = {g.name: g for g in (
         "2 ranks: fp32 GEMM 189 GFLOP/s (observability.metrics.measured_cpu_peak_flops on 1 thread), gloo "
         "all-gather 0.30 GB/s received (torchrun --nproc_per_node 2, 4 and 32 MiB per rank); the efficiency and "
         "the time per operator fitted to two 1-rank runs (the debug model and dim 512 x 8 layers: "
-        "benchmarks/plan_bench.py, docs/planning.md)", op_overhead_s=29e-6, collective_latency_s=100e-6, cores=2),
+        "benchmarks/plan_bench.py, docs/planning.md); the time per DTensor operator fitted to a 2-rank tp 2 run",
+        op_overhead_s=29e-6, dtensor_op_overhead_s=81e-6, collective_latency_s=100e-6, cores=2),
 )}
 
 
