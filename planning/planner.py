@@ -95,26 +95,35 @@ class Plan:
 
     def lines(self) -> list[str]:
         """The plan as text: one block per distinct rank, then the run's figures."""
-        g = self.gpu
+        g, n = self.gpu, num_params(self.cfg.model)
+        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         out = [f"plan: {self.world_size} x {g.name} ({self.gpus_per_node} per node), {layout_flags(self.cfg) or 'fsdp'}"
-               f", {num_params(self.cfg.model) / 1e9:.2f}B parameters, global batch {self.cfg.train.global_batch_size}"
-               f" x {self.cfg.data.seq_len} tokens; dry run {self.seconds:.1f} s"]
+               f", {count} parameters, global batch {self.cfg.train.global_batch_size} x {self.cfg.data.seq_len} "
+               f"tokens; dry run {self.seconds:.1f} s"]
         for r, e in self.ranks:
             total = device_total(r.peak_bytes, g)
-            parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in r.at_peak.items() if v)
+            parts = ", ".join(f"{k} {size(v)}" for k, v in r.at_peak.items() if v)
             out.append(f"  rank {r.rank} (stage {r.stage}, {r.micro_batches} micro-batches): holds params "
-                       f"{r.held['params'] / GIB:.2f} GiB, grads {r.held['grads'] / GIB:.2f}, optimizer "
-                       f"{r.held['optimizer'] / GIB:.2f}; peak {r.peak_bytes / GIB:.2f} GiB ({parts}); with context, "
-                       f"NCCL and fragmentation {total / GIB:.2f} of {g.memory / GIB:.1f} GiB: "
+                       f"{size(r.held['params'])}, grads {size(r.held['grads'])}, optimizer "
+                       f"{size(r.held['optimizer'])}; peak {size(r.peak_bytes)} ({parts}); with context, NCCL and "
+                       f"fragmentation {size(total)} of {size(g.memory)}: "
                        f"{'fits' if total <= g.memory else 'DOES NOT FIT'}")
-            comm = ", ".join(f"{k} {v / GIB:.3g} GiB in {e.comm_s[k] * 1e3:.0f} ms" for k, v in sorted(r.comm.items()))
+            comm = ", ".join(f"{k} {size(v)} in {e.comm_s[k] * 1e3:.0f} ms" for k, v in sorted(r.comm.items()))
             out.append(f"    step {e.step_s:.3f} s = compute {e.compute_s:.3f} + exposed communication "
                        f"{e.exposed_comm_s:.3f} + bubble {e.bubble_s:.3f} + optimizer {e.optimizer_s:.3f}; "
                        f"collectives: {comm or 'none'}")
         out.append(f"predicted: {self.step_s:.3f} s per step, {self.tokens_per_sec:,.0f} tokens/s, MFU "
-                   f"{self.mfu:.1%}; {'fits' if self.fits else 'does not fit'} ({self.peak_bytes / GIB:.2f} GiB "
+                   f"{self.mfu:.1%}; {'fits' if self.fits else 'does not fit'} ({size(self.peak_bytes)} "
                    f"peak before margins)")
         return out + [f"note: {n}" for n in self.notes]
+
+
+def size(nbytes: float) -> str:
+    """Bytes in words: '11.57 GiB', '102.2 MiB', '264 B'."""
+    if nbytes >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / 2 ** 20:.1f} MiB" if nbytes >= 2 ** 20 else f"{nbytes:.0f} B" if nbytes < 1024 \
+        else f"{nbytes / 1024:.1f} KiB"
 
 
 def layout_flags(cfg: Config) -> str:
