@@ -29,7 +29,7 @@ README_MAX_LINES = 220
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 CONFIG_SCRIPTS_MARKERS = ("parse_config(", "command.main(")  # a script whose argv reaches config.parse_config
 PRESET_SECTIONS = {"model"}  # config.parse_config's presets: `preset = NAME` in [model]
-PLACEHOLDERS = {"section.field"}  # the docs' name for any override
+PLACEHOLDERS = {"section.field", "plan.moe_max_load"}  # the docs' name for any override; plan.py's own flag
 REPO_PATH = re.compile(r"^(configs|scripts|benchmarks|tests|docs)/[\w./-]+\.(py|sh|toml|md)$")
 
 
