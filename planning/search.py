@@ -20,7 +20,6 @@ from planning.gpus import GIB, GPU
 from planning.planner import Plan, device_total, plan_run, trainer_of
 
 TP = (1, 2, 4, 8)
-PP = (1,)
 
 
 @dataclasses.dataclass
@@ -60,20 +59,16 @@ def fit_batch(cfg: Config, world_size: int, given: bool) -> str:
 
 
 def candidates(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict]:
-    """The settings --search tries, in the order it tries them: tensor parallelism for a dense model; for a mixture
-    of experts, expert parallelism over a node's ranks (or the experts, when fewer) instead, as EP x TP is refused."""
+    """The settings --search tries, in the order it tries them: tensor parallelism inside a node for a dense model;
+    for a mixture of experts, expert parallelism over a node's ranks (or the experts, when fewer) instead, as EP x TP
+    is refused. Each at pp 1: pipelines are not planned yet."""
     out = []
     if cfg.model.n_experts:
         eps = sorted({1, math.gcd(gpus_per_node, cfg.model.n_experts, world_size)})
         return [{"parallel.tp": 1, "parallel.pp": 1, "parallel.ep": ep} for ep in eps]
     for tp in TP:
-        for pp in PP:
-            if tp > gpus_per_node or world_size % (tp * pp) or cfg.model.n_layers % pp:
-                continue
-            s = {"parallel.tp": tp, "parallel.pp": pp}
-            if pp > 1 and cfg.parallel.pp == 1:
-                s["parallel.pp_schedule"] = "1F1B"
-            out.append(s)
+        if tp <= gpus_per_node and world_size % tp == 0:
+            out.append({"parallel.tp": tp, "parallel.pp": 1})
     return out
 
 
