@@ -153,26 +153,26 @@ class Float8Hook(StepHook):
 
 
 class PeakMemoryHook(StepHook):
-    """The step's peak memory on each rank, for the train record: `peak_bytes` (this rank's, rank 0's in the
+    """The steps' peak memory on each rank, for the train record: `peak_bytes` (this rank's, rank 0's in the
     record) and `peak_bytes_max` (the largest over the ranks).
 
-    On CUDA the allocator's peak since the step began (torch.cuda.max_memory_allocated). On CPU,
-    where no allocator keeps one, the planner's accounting of every tensor of the step
-    (accounting.account_step, memory only): what plan.py predicts, measured the same way.
+    On CUDA torch.cuda.max_memory_allocated: the allocator's peak since the run started, which its
+    steps reach (not reset per step: the record's peak_mem_gib and the last line read the same
+    counter). On CPU, where no allocator keeps one, the planner's accounting of every tensor of
+    the last step (accounting.account_step, memory only): what plan.py predicts, measured alike.
     """
 
     def __init__(self, model: nn.Module, optimizer, device):
         self.model, self.optimizer, self.device = model, optimizer, torch.device(device)
         self.tracking: contextlib.ExitStack | None = None
+        self.account = None
         self.peak = 0
 
     def begin(self) -> None:
         self.end()  # a step that raised before its update left its tracker open
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        self.tracking = contextlib.ExitStack()
-        self.account = self.tracking.enter_context(account_step(self.model, self.optimizer, count_comm=False))
+        if self.device.type != "cuda":
+            self.tracking = contextlib.ExitStack()
+            self.account = self.tracking.enter_context(account_step(self.model, self.optimizer, count_comm=False))
 
     def end(self) -> None:
         if self.tracking is not None:
@@ -186,7 +186,7 @@ class PeakMemoryHook(StepHook):
         self.end()
 
     def record(self, n_targets: int) -> dict:
-        peak = torch.tensor([float(self.peak)], device=self.device)
+        peak = torch.tensor([self.peak], dtype=torch.int64, device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return {"peak_bytes": self.peak, "peak_bytes_max": int(peak.item())}
 
