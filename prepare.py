@@ -34,10 +34,11 @@ from config import check_run_dir, parse_config
 from core.cli import exit_command
 from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
+from data_pipeline import pretokenized
 from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
 from data_pipeline.sources import check_source, files_record, iter_documents, source_changed, source_units, txt_notice
-from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
+from data_pipeline.tokenizer import TOKENIZER_CONFIG, encode_plain, load_tokenizer, separator_ids, train_tokenizer
 from observability.progress import duration
 from parallel import distributed
 from storage import fs
@@ -45,14 +46,17 @@ from storage.fs import check_location
 from storage.rundir import RunDir, check_local_dir
 
 
-def pack_documents(docs: Iterable[list[int]], eot_id: int, dtype: str = "uint32") -> np.ndarray:
-    """Concatenate token-id lists into one stream with eot_id after every document.
+def pack_documents(docs: Iterable[list[int]], eot_id: int, dtype: str = "uint32", bos_id: int | None = None
+                   ) -> np.ndarray:
+    """Concatenate token-id lists into one stream with eot_id (the EOS) after every document, bos_id before each.
 
-    Returns a 1-D array of dtype ('uint16' or 'uint32') of sum(len(d) + 1) tokens: nothing
-    is padded or cut. Raises DataError if an id does not fit dtype.
+    Returns a 1-D array of dtype ('uint16' or 'uint32') of sum(len(d) + 1 (+ 1 with a BOS))
+    tokens: nothing is padded or cut. Raises DataError if an id does not fit dtype.
     """
     parts = []
     for ids in docs:
+        if bos_id is not None:
+            parts.append(np.asarray([bos_id], dtype=np.int64))
         parts.append(np.asarray(ids, dtype=np.int64))
         parts.append(np.asarray([eot_id], dtype=np.int64))
     stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -117,18 +121,19 @@ class _ProgressLines:
 
 
 def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, dtype: str = "uint32",
-                       batch: int = 256) -> tuple[int, int]:
+                       batch: int = 256, separators: tuple[int, int | None] | None = None) -> tuple[int, int]:
     """Tokenize (as plain text) and pack documents (blank ones skipped), appending the dtype stream to out.
 
+    separators: (EOS id, BOS id or None), tokenizer.separator_ids (default: [EOT], no BOS).
     Writes batch by batch, so memory stays bounded however large the unit. Returns
     (n_tokens written, n_documents).
     """
-    eot = tokenizer.token_to_id(EOT)
+    eot, bos = separators or (tokenizer.token_to_id("[EOT]"), None)
     n_tokens, n_docs, pending = 0, 0, []
 
     def flush():
         nonlocal n_tokens, n_docs
-        stream = pack_documents(encode_plain(tokenizer, pending), eot, dtype)
+        stream = pack_documents(encode_plain(tokenizer, pending), eot, dtype, bos)
         out.write(stream.tobytes())
         n_tokens += int(stream.size)
         n_docs += len(pending)
@@ -208,12 +213,13 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
             raise DataError(f"rank {rank} cannot see '{work}', which rank 0 wrote: the run directory must be on "
                             f"a filesystem that every node shares")
         tokenizer = tokenizer or load_tokenizer(os.path.join(work, "tokenizer.json"))
+        separators = separator_ids(os.path.join(work, "tokenizer.json"), cfg.eos_token, cfg.bos_token, tokenizer)
         n_units, units = _rank_units(src, rank, world)
         progress = _ProgressLines(rank == 0, n_units, rank, world, src.name)
         counts = []
         for u, texts in units:
             with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
-                counts.append((u, *tokenize_documents(texts, tokenizer, out, meta["dtype"])))
+                counts.append((u, *tokenize_documents(texts, tokenizer, out, meta["dtype"], separators=separators)))
             progress.unit_done(*counts[-1][1:])
         return counts
 
@@ -228,7 +234,7 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
     meta = {**meta, "tokenizer": os.path.join(out_dir, "tokenizer.json")}
     records = [meta["sources"][name] for name in by_name]
     return {**meta, "n_tokens": sum(r["n_tokens"] for r in records),
-            "n_documents": sum(r["n_documents"] for r in records)}
+            "n_documents": sum(max(0, r["n_documents"]) for r in records)}  # -1: numpy files do not count them
 
 
 PARTS = ".parts"
@@ -268,6 +274,9 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         os.makedirs(tmp)
         tokenizer = _make_tokenizer(cfg)
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        beside = os.path.join(os.path.dirname(os.path.abspath(cfg.tokenizer)), TOKENIZER_CONFIG) if cfg.tokenizer else ""
+        if beside and os.path.isfile(beside):  # its eos_token names the tokenizer's own EOS (separator_ids)
+            shutil.copyfile(beside, os.path.join(tmp, TOKENIZER_CONFIG))
         meta = {"tokenizer": os.path.join(out_dir, "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size(),
                 "tokenizer_config": wanted_tok, "sources": {}}
     meta.setdefault("dtype", token_dtype(meta["vocab_size"]))  # of the files written from now on
@@ -279,6 +288,9 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         if record is not None and record["config"] != src.reading():
             raise _other_settings(out_dir, _changed(record["config"], src.reading(), src.field),
                                   "" if src.name == DEFAULT_SOURCE else "another source name, ")
+        if src.pretokenized and src.format != "tokens":  # read in place: recorded, never copied
+            changed = _record_in_place(src, meta, out_dir) or changed
+            continue
         files[src.name] = files_record(src)
         if record is not None and record.get("files") and files[src.name] and \
                 record["files"]["digest"] != files[src.name]["digest"]:
@@ -300,6 +312,25 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
     return {"work": work, "meta": meta, "todo": todo, "changed": changed, "files": files}
 
 
+def _record_in_place(src, meta: dict, out_dir: str) -> bool:
+    """Rank 0: meta's record of a pre-tokenized source (its shards, sizes and index checksums); True when new.
+
+    A record made earlier must still describe the files (pretokenized.identity): a corpus that
+    changed under a run is refused, as for raw sources.
+    """
+    record = meta["sources"].get(src.name)
+    if record is not None:
+        now = pretokenized.identity(pretokenized.open_shards(src, meta["vocab_size"]))
+        if record.get("files", {}).get("digest") != now["digest"]:
+            raise source_changed(src, out_dir, record["files"], now)
+        print(f"[data] source '{src.name}' ({src.dataset}) read in place, unchanged", flush=True)
+        return False
+    meta["sources"][src.name] = record = pretokenized.describe(src, meta["vocab_size"])
+    print(f"[data] source '{src.name}' ({src.dataset}) read in place: {record['format']}, "
+          f"{len(record['shards']):,} shard(s), {record['n_tokens']:,} {record['dtype']} tokens", flush=True)
+    return True
+
+
 def _say_cap(src, verb: str, n_documents: int | None = None) -> None:
     """The source's line: what is done with it, and what data.max_documents keeps of it (n_documents: its count, when
     known, so that a source smaller than the cap is not said to be cut)."""
@@ -319,7 +350,10 @@ def _make_tokenizer(cfg: DataConfig):
     """Rank 0: the tokenizer of data.tokenizer, or one trained on the sources in proportion to their weights."""
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
-    srcs = cfg.source_list()
+    srcs = [s for s in cfg.source_list() if not s.pretokenized]
+    if not srcs:
+        raise DataError(f"data.tokenizer is empty but every source holds token ids (data.format "
+                        f"{cfg.source_list()[0].format}); give --data.tokenizer, the tokenizer.json they were made with")
     shares = ", ".join(f"{s.name} {share:.0%}" for s, share in zip(srcs, weight_shares([s.weight for s in srcs])))
     print(f"[data] training a byte-level BPE tokenizer of {cfg.tokenizer_vocab_size} tokens on up to "
           f"{cfg.tokenizer_train_chars:,} characters of {shares}", flush=True)
@@ -332,7 +366,7 @@ def tokenizer_texts(cfg: DataConfig) -> Iterator[str]:
     A source gets documents while it has had fewer characters than its budget, so it may
     exceed it by one document; a source of weight 0 gets none.
     """
-    srcs = cfg.source_list()
+    srcs = [s for s in cfg.source_list() if not s.pretokenized]  # token ids teach a tokenizer nothing
     for src, share in zip(srcs, weight_shares([s.weight for s in srcs])):
         budget, seen = cfg.tokenizer_train_chars * share, 0
         for text in iter_documents(src) if budget > 0 else ():

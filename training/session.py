@@ -73,10 +73,10 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
             meta = prepare_on_all_ranks(cfg.data, data_dir)
     except UserError as e:
         raise SetupError(str(e)) from None
-    check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"])
+    check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"], cfg.data.eos_token)
     if resume:
         distributed.on_rank0(lambda: claim_checkpoint_dir(cfg, ckpt.root), rank)
-    corpus = PackedCorpus(data_dir, cfg.data)
+    corpus = PackedCorpus(data_dir, cfg.data, cfg.model.vocab_size)
     micro = cfg.train.micro_batch(dp)
     data_state = DataState()
     loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, cfg.train.micro_batch_size,
