@@ -1,0 +1,263 @@
+"""Corpora tokenized elsewhere (data.format megatron, numpy, datatrove): the reader gives back what the writer was
+given, document by document; the same tokens give the same windows as a prepared raw-text source; bad input is one
+line naming the file and the fix; any Hugging Face tokenizer's own EOS (and a BOS) separates documents.
+
+Fixture writers: tests/pretok_writers.py (which says whose source each follows)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import data
+import prepare
+from config import Config, check_pretokenized
+from data import DataConfig, DataError, SourceConfig
+from data_pipeline import pretokenized, tokenizer
+from model import ModelArgs
+from pretok_writers import write_datatrove, write_megatron, write_numpy
+
+EOS = 2
+
+
+def _docs(n=40, seed=0, vocab=300):
+    """n documents of 1..60 random ids in [3, vocab), each ended by EOS."""
+    rng = np.random.default_rng(seed)
+    return [np.concatenate([rng.integers(3, vocab, rng.integers(1, 60)), [EOS]]).astype(np.int64) for _ in range(n)]
+
+
+def _split(tokens: np.ndarray, ends) -> list[list[int]]:
+    starts = [0, *ends[:-1]]
+    return [tokens[a:b].tolist() for a, b in zip(starts, ends)]
+
+
+def _src(fmt, dataset, **kw):
+    return SourceConfig(name="default", dataset=str(dataset), format=fmt, token_dtype=kw.pop("token_dtype", ""), **kw)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_megatron_reader_gives_back_each_document(tmp_path, dtype):
+    docs = [_docs(30, 1), _docs(20, 2)]
+    for i, d in enumerate(docs):
+        write_megatron(str(tmp_path / f"shard_{i}_text_document"), d, dtype)
+    for spec in (tmp_path, tmp_path / "shard_*_text_document", tmp_path / "shard_*_text_document.idx"):
+        shards = pretokenized.open_shards(_src("megatron", spec), 300)
+        assert [s.dtype for s in shards] == [np.dtype(dtype)] * 2
+        for s, want in zip(shards, docs):
+            got = _split(np.fromfile(s.path, dtype=s.dtype), s.doc_ends)
+            assert got == [d.tolist() for d in want]
+    one = pretokenized.open_shards(_src("megatron", tmp_path / "shard_0_text_document"), 300)
+    assert len(one) == 1 and one[0].n_tokens == sum(len(d) for d in docs[0])
+
+
+def test_our_megatron_writer_is_megatron_cores(tmp_path):
+    """The fixture writer against Megatron-Core's own IndexedDatasetBuilder (when megatron-core is importable)."""
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    torch = pytest.importorskip("torch")
+    docs = _docs(25, 3)
+    builder = indexed.IndexedDatasetBuilder(str(tmp_path / "real.bin"), dtype=np.uint16)
+    for d in docs:
+        builder.add_document(torch.tensor(d), [len(d)])
+    builder.finalize(str(tmp_path / "real.idx"))
+    write_megatron(str(tmp_path / "ours"), docs, np.uint16)
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"real{ext}").read_bytes() == (tmp_path / f"ours{ext}").read_bytes()
+
+
+def test_numpy_and_datatrove_readers_give_back_each_document(tmp_path):
+    docs = _docs(50, 4)
+    (tmp_path / "np").mkdir()
+    write_numpy(str(tmp_path / "np" / "part-0-00000.npy"), docs[:20])
+    write_numpy(str(tmp_path / "np" / "part-1-00000.npy"), docs[20:])
+    shards = pretokenized.open_shards(_src("numpy", tmp_path / "np" / "part-*.npy", token_dtype="uint16"), 300)
+    stream = np.concatenate([np.fromfile(s.path, np.uint16) for s in shards])
+    assert _split(stream, (np.flatnonzero(stream == EOS) + 1).tolist()) == [d.tolist() for d in docs]
+    (tmp_path / "dt").mkdir()
+    write_datatrove(str(tmp_path / "dt" / "00000_unshuffled.ds"), docs[:30])
+    write_datatrove(str(tmp_path / "dt" / "00001_unshuffled.ds"), docs[30:])
+    shards = pretokenized.open_shards(_src("datatrove", tmp_path / "dt"), 300)
+    got = [d for s in shards for d in _split(np.fromfile(s.path, np.uint16), s.doc_ends)]
+    assert got == [d.tolist() for d in docs]
+
+
+def test_a_stream_of_shards_reads_windows_across_shard_boundaries(tmp_path):
+    parts = [np.arange(k * 100, k * 100 + n, dtype=np.uint16) for k, n in enumerate((7, 1, 30, 5))]
+    for k, p in enumerate(parts):
+        p.tofile(tmp_path / f"{k}.npy")
+    stream = data.TokenStream([[str(tmp_path / f"{k}.npy"), "uint16", len(p)] for k, p in enumerate(parts)])
+    flat = np.concatenate(parts)
+    for a in range(len(flat)):
+        for b in (a, a + 1, a + 9, len(flat)):
+            assert stream[a:b].tolist() == flat[a:b].tolist()
+
+
+@pytest.fixture(scope="module")
+def raw_corpus(tmp_path_factory):
+    """A raw-text source prepared here, and its stream written as Megatron, numpy and datatrove files."""
+    root = tmp_path_factory.mktemp("text")
+    for i in range(60):
+        (root / f"doc{i:03d}.txt").write_text(f"document {i}: " + " ".join(f"w{j % 41}" for j in range(30 + 9 * i)))
+    out = str(tmp_path_factory.mktemp("prepared"))
+    cfg = DataConfig(dataset=str(root / "*.txt"), tokenizer_vocab_size=300, seq_len=16, val_fraction=0.1)
+    prepare.prepare(cfg, out)
+    meta = data.read_meta(out)
+    flat = np.fromfile(os.path.join(out, meta["sources"]["default"]["file"]), dtype=np.uint16)
+    docs = _split(flat, (np.flatnonzero(flat == EOS) + 1).tolist())
+    pre = tmp_path_factory.mktemp("pretok")
+    write_megatron(str(pre / "corpus_text_document"), docs, np.uint16)
+    write_numpy(str(pre / "a.npy"), docs[:25])
+    write_numpy(str(pre / "b.npy"), docs[25:])
+    write_datatrove(str(pre / "c.ds"), docs)
+    return cfg, out, pre
+
+
+@pytest.mark.parametrize("fmt,spec", [("megatron", "corpus_text_document"), ("numpy", "*.npy"),
+                                      ("datatrove", "c.ds")])
+def test_the_same_tokens_give_the_same_windows_as_raw_text(raw_corpus, tmp_path, fmt, spec):
+    cfg, out, pre = raw_corpus
+    tok = os.path.join(out, "tokenizer.json")
+    pcfg = DataConfig(dataset=str(pre / spec), format=fmt, tokenizer=tok, seq_len=16, val_fraction=0.1)
+    check_pretokenized(pcfg, ModelArgs(vocab_size=300, dim=16, n_layers=1, n_heads=2, n_kv_heads=2), str(tmp_path))
+    prepare.prepare(pcfg, str(tmp_path / "data"))
+    assert not os.listdir(tmp_path / "data" / "sources") if os.path.isdir(tmp_path / "data" / "sources") else True
+    raw, ours = data.PackedCorpus(out, cfg), data.PackedCorpus(str(tmp_path / "data"), pcfg, 300)
+    assert (raw.n_train, raw.n_val) == (ours.n_train, ours.n_val)
+    for i in range(raw.n_train + raw.n_val):
+        assert raw.sample(i).tolist() == ours.sample(i).tolist()
+
+
+def test_a_mixture_of_raw_and_pretokenized_sources_with_stages(raw_corpus, tmp_path):
+    """Raw and Megatron sources in one mixture: the pre-tokenized one is prepared as a record only, and the
+    loader's global batches are the same at 1, 2 and 4 data-parallel ranks."""
+    from data_pipeline.loader import DataState, GlobalBatchLoader
+    cfg, out, pre = raw_corpus
+    mixed = DataConfig(tokenizer=os.path.join(out, "tokenizer.json"), seq_len=16, val_fraction=0.1, sources=[
+        SourceConfig(name="text", dataset=cfg.dataset, weight=0.5),
+        SourceConfig(name="meg", dataset=str(pre / "corpus_text_document"), format="megatron", weight=0.5)],
+        stages=[data.StageConfig(start_step=2, weights={"meg": 0.9, "text": 0.1})])
+    prepare.prepare(mixed, str(tmp_path / "data"))
+    meta = data.read_meta(str(tmp_path / "data"))
+    assert meta["sources"]["meg"]["format"] == "megatron" and "file" not in meta["sources"]["meg"]
+    corpus = data.PackedCorpus(str(tmp_path / "data"), mixed, 300)
+
+    def batches(dp):
+        loaders = [GlobalBatchLoader(corpus, 8, 8 // dp, r, dp, 0, DataState()) for r in range(dp)]
+        out = []
+        for _ in range(5):
+            out.append([t.tolist() for ld in loaders for inp, _ in ld.next_step() for t in inp])
+        return out
+    one = batches(1)
+    assert one == batches(2) == batches(4)
+
+
+def _model(vocab=300):
+    return ModelArgs(vocab_size=vocab, dim=16, n_layers=1, n_heads=2, n_kv_heads=2)
+
+
+def _check(src_cfg: DataConfig, tmp_path, vocab=300):
+    with pytest.raises((DataError, Exception)) as e:
+        check_pretokenized(src_cfg, _model(vocab), str(tmp_path / "run"))
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_bad_pretokenized_input_is_one_line_naming_the_file(raw_corpus, tmp_path):
+    _, out, _ = raw_corpus
+    tok = os.path.join(out, "tokenizer.json")
+    docs = _docs(10, 5)
+
+    def meg(name, **kw):
+        write_megatron(str(tmp_path / name), docs, **kw)
+        return DataConfig(dataset=str(tmp_path / name), format="megatron", tokenizer=tok)
+
+    c = meg("short")
+    with open(tmp_path / "short.bin", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "short.bin") // 2)
+    assert "truncated" in _check(c, tmp_path) and "short.bin" in _check(c, tmp_path)
+    assert "version 2" in _check(meg("v2", version=2), tmp_path)
+    assert "not a Megatron MMIDIDX index" in _check(meg("magic", magic=b"NOTMAGIC\x00"), tmp_path)
+    c = meg("int32", dtype=np.int32)
+    c.token_dtype = "uint16"
+    assert "holds int32 tokens but data.token_dtype is uint16" in _check(c, tmp_path)
+    big = [d.copy() for d in docs]
+    big[4][0] = 5000
+    write_megatron(str(tmp_path / "big"), big)
+    assert "token id 5000 >= model.vocab_size 300" in _check(
+        DataConfig(dataset=str(tmp_path / "big"), format="megatron", tokenizer=tok), tmp_path)
+    noeos = [d[:-1] for d in docs]
+    write_megatron(str(tmp_path / "noeos"), noeos)
+    assert "not the EOS id 2" in _check(DataConfig(dataset=str(tmp_path / "noeos"), format="megatron", tokenizer=tok),
+                                        tmp_path)
+    write_megatron(str(tmp_path / "empty"), [])
+    assert "holds no token" in _check(DataConfig(dataset=str(tmp_path / "empty"), format="megatron", tokenizer=tok),
+                                      tmp_path)
+    assert "matches no megatron file" in _check(
+        DataConfig(dataset=str(tmp_path / "nothing_*"), format="megatron", tokenizer=tok), tmp_path)
+    os.remove(tmp_path / "big.idx")
+    assert "has no" in _check(DataConfig(dataset=str(tmp_path / "big"), format="megatron", tokenizer=tok), tmp_path)
+    write_datatrove(str(tmp_path / "x.ds"), docs)
+    os.remove(tmp_path / "x.ds.index")
+    assert "x.ds.index" in _check(DataConfig(dataset=str(tmp_path / "x.ds"), format="datatrove", tokenizer=tok),
+                                  tmp_path)
+    assert "give --data.tokenizer" in _check(DataConfig(dataset=str(tmp_path / "x.ds"), format="datatrove"), tmp_path)
+
+
+def test_a_corpus_changed_under_a_run_is_refused(raw_corpus, tmp_path):
+    _, out, _ = raw_corpus
+    docs = _docs(10, 6)
+    write_megatron(str(tmp_path / "c"), docs)
+    cfg = DataConfig(dataset=str(tmp_path / "c"), format="megatron", tokenizer=os.path.join(out, "tokenizer.json"))
+    prepare.prepare(cfg, str(tmp_path / "data"))
+    prepare.prepare(cfg, str(tmp_path / "data"))  # unchanged: reused
+    write_megatron(str(tmp_path / "c"), docs[:-1])
+    with pytest.raises(DataError, match="changed since"):
+        prepare.prepare(cfg, str(tmp_path / "data"))
+
+
+def llama3_like_tokenizer(folder) -> str:
+    """A tokenizer.json shaped like Llama 3's (byte-level BPE, <|begin_of_text|> and <|end_of_text|>, no [EOT]) and
+    its tokenizer_config.json naming eos_token, built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([f"def f{i}(x): return x * {i}\n" for i in range(300)], trainer=trainer)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "tokenizer.json")
+    tok.save(path)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, f)
+    return path
+
+
+def test_a_llama3_shaped_tokenizer_separates_documents_with_its_own_eos_and_bos(tmp_path):
+    path = llama3_like_tokenizer(str(tmp_path / "tok"))
+    assert tokenizer.separator_ids(path) == (1, None)
+    assert tokenizer.separator_ids(path, bos_token="<|begin_of_text|>") == (1, 0)
+    (tmp_path / "t").mkdir()
+    for i in range(20):
+        (tmp_path / "t" / f"{i}.txt").write_text(f"def g{i}(y): return y + {i}\n" * (i + 1))
+    cfg = DataConfig(dataset=str(tmp_path / "t" / "*.txt"), tokenizer=path, bos_token="<|begin_of_text|>", seq_len=16)
+    prepare.prepare(cfg, str(tmp_path / "data"))
+    assert os.path.isfile(tmp_path / "data" / "tokenizer_config.json")  # the run's copy keeps its EOS
+    stream = np.fromfile(data.PackedCorpus(str(tmp_path / "data"), cfg).sources[0].tokens.filename, np.uint16)
+    assert (stream == 1).sum() == (stream == 0).sum() == 20 and stream[0] == 0 and stream[-1] == 1
+    assert (np.flatnonzero(stream == 0)[1:] == np.flatnonzero(stream == 1)[:-1] + 1).all()  # EOS then BOS
+    shutil.rmtree(tmp_path / "data")
+    os.remove(tmp_path / "tok" / "tokenizer_config.json")
+    with pytest.raises(DataError, match="--data.eos_token"):
+        tokenizer.separator_ids(path)
+    assert tokenizer.separator_ids(path, "<|end_of_text|>") == (1, None)
+
+
+def test_text_sources_keep_their_settings_and_key():
+    """A raw-text source's reading settings (its key in a prepared directory) do not change with formats."""
+    assert SourceConfig(name="a", dataset="stdlib").reading() == {
+        "dataset": "stdlib", **{k: None for k in data.READING_FIELDS}}
+    assert "eos_token" not in Config().data.prepared_settings()["tokenizer"]
