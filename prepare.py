@@ -38,7 +38,7 @@ from data_pipeline import pretokenized
 from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
 from data_pipeline.sources import check_source, files_record, iter_documents, source_changed, source_units, txt_notice
-from data_pipeline.tokenizer import TOKENIZER_CONFIG, encode_plain, load_tokenizer, separator_ids, train_tokenizer
+from data_pipeline.tokenizer import encode_plain, load_tokenizer, separator_ids, train_tokenizer, write_tokenizer_config
 from observability.progress import duration
 from parallel import distributed
 from storage import fs
@@ -53,12 +53,8 @@ def pack_documents(docs: Iterable[list[int]], eot_id: int, dtype: str = "uint32"
     Returns a 1-D array of dtype ('uint16' or 'uint32') of sum(len(d) + 1 (+ 1 with a BOS))
     tokens: nothing is padded or cut. Raises DataError if an id does not fit dtype.
     """
-    parts = []
-    for ids in docs:
-        if bos_id is not None:
-            parts.append(np.asarray([bos_id], dtype=np.int64))
-        parts.append(np.asarray(ids, dtype=np.int64))
-        parts.append(np.asarray([eot_id], dtype=np.int64))
+    head = [] if bos_id is None else [bos_id]
+    parts = [np.asarray([*head, *ids, eot_id], dtype=np.int64) for ids in docs]
     stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if stream.size and stream.max() > np.iinfo(dtype).max:
         raise DataError(f"data.tokenizer: token id {stream.max()} does not fit {dtype}; the tokenizer has more ids "
@@ -124,9 +120,8 @@ def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, dtype: st
                        batch: int = 256, separators: tuple[int, int | None] | None = None) -> tuple[int, int]:
     """Tokenize (as plain text) and pack documents (blank ones skipped), appending the dtype stream to out.
 
-    separators: (EOS id, BOS id or None), tokenizer.separator_ids (default: [EOT], no BOS).
-    Writes batch by batch, so memory stays bounded however large the unit. Returns
-    (n_tokens written, n_documents).
+    separators: (EOS id, BOS id or None), tokenizer.separator_ids (default: [EOT], no BOS). Writes batch
+    by batch, so memory stays bounded however large the unit. Returns (n_tokens written, n_documents).
     """
     eot, bos = separators or (tokenizer.token_to_id("[EOT]"), None)
     n_tokens, n_docs, pending = 0, 0, []
@@ -274,9 +269,7 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         os.makedirs(tmp)
         tokenizer = _make_tokenizer(cfg)
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-        beside = os.path.join(os.path.dirname(os.path.abspath(cfg.tokenizer)), TOKENIZER_CONFIG) if cfg.tokenizer else ""
-        if beside and os.path.isfile(beside):  # its eos_token names the tokenizer's own EOS (separator_ids)
-            shutil.copyfile(beside, os.path.join(tmp, TOKENIZER_CONFIG))
+        write_tokenizer_config(cfg, tmp)
         meta = {"tokenizer": os.path.join(out_dir, "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size(),
                 "tokenizer_config": wanted_tok, "sources": {}}
     meta.setdefault("dtype", token_dtype(meta["vocab_size"]))  # of the files written from now on
@@ -289,7 +282,7 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
             raise _other_settings(out_dir, _changed(record["config"], src.reading(), src.field),
                                   "" if src.name == DEFAULT_SOURCE else "another source name, ")
         if src.pretokenized and src.format != "tokens":  # read in place: recorded, never copied
-            changed = _record_in_place(src, meta, out_dir) or changed
+            changed = pretokenized.record_in_place(src, meta, out_dir) or changed
             continue
         files[src.name] = files_record(src)
         if record is not None and record.get("files") and files[src.name] and \
@@ -310,25 +303,6 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         if notice:
             print(f"[data] notice: {notice}", flush=True)
     return {"work": work, "meta": meta, "todo": todo, "changed": changed, "files": files}
-
-
-def _record_in_place(src, meta: dict, out_dir: str) -> bool:
-    """Rank 0: meta's record of a pre-tokenized source (its shards, sizes and index checksums); True when new.
-
-    A record made earlier must still describe the files (pretokenized.identity): a corpus that
-    changed under a run is refused, as for raw sources.
-    """
-    record = meta["sources"].get(src.name)
-    if record is not None:
-        now = pretokenized.identity(pretokenized.open_shards(src, meta["vocab_size"]))
-        if record.get("files", {}).get("digest") != now["digest"]:
-            raise source_changed(src, out_dir, record["files"], now)
-        print(f"[data] source '{src.name}' ({src.dataset}) read in place, unchanged", flush=True)
-        return False
-    meta["sources"][src.name] = record = pretokenized.describe(src, meta["vocab_size"])
-    print(f"[data] source '{src.name}' ({src.dataset}) read in place: {record['format']}, "
-          f"{len(record['shards']):,} shard(s), {record['n_tokens']:,} {record['dtype']} tokens", flush=True)
-    return True
 
 
 def _say_cap(src, verb: str, n_documents: int | None = None) -> None:
@@ -352,8 +326,8 @@ def _make_tokenizer(cfg: DataConfig):
         return load_tokenizer(cfg.tokenizer)
     srcs = [s for s in cfg.source_list() if not s.pretokenized]
     if not srcs:
-        raise DataError(f"data.tokenizer is empty but every source holds token ids (data.format "
-                        f"{cfg.source_list()[0].format}); give --data.tokenizer, the tokenizer.json they were made with")
+        raise DataError("data.tokenizer is empty but every source holds token ids; give --data.tokenizer, the "
+                        "tokenizer.json they were made with")
     shares = ", ".join(f"{s.name} {share:.0%}" for s, share in zip(srcs, weight_shares([s.weight for s in srcs])))
     print(f"[data] training a byte-level BPE tokenizer of {cfg.tokenizer_vocab_size} tokens on up to "
           f"{cfg.tokenizer_train_chars:,} characters of {shares}", flush=True)

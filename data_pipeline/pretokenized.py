@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from data import DataError
+from data_pipeline.sources import source_changed
 from data_pipeline.streams import TokenStream
 
 PRETOKENIZED = ("megatron", "numpy", "datatrove")
@@ -291,3 +292,22 @@ def check_source(src, tokenizer_vocab: int, model_vocab: int, eos_id: int, eos_n
         return f"{_field(src)}: '{stream.paths[i]}' (token {at - int(stream.offsets[i]):,})"
 
     check_ids(stream, model_vocab, where)
+
+
+def record_in_place(src, meta: dict, out_dir: str) -> bool:
+    """prepare.py, rank 0: meta's record of a pre-tokenized source (its shards, sizes and index checksums); True when new.
+
+    A record made earlier must still describe the files (identity): a corpus that
+    changed under a run is refused, as for raw sources.
+    """
+    record = meta["sources"].get(src.name)
+    if record is not None:
+        now = identity(open_shards(src, meta["vocab_size"]))
+        if record.get("files", {}).get("digest") != now["digest"]:
+            raise source_changed(src, out_dir, record["files"], now)
+        print(f"[data] source '{src.name}' ({src.dataset}) read in place, unchanged", flush=True)
+        return False
+    meta["sources"][src.name] = record = describe(src, meta["vocab_size"])
+    print(f"[data] source '{src.name}' ({src.dataset}) read in place: {record['format']}, "
+          f"{len(record['shards']):,} shard(s), {record['n_tokens']:,} {record['dtype']} tokens", flush=True)
+    return True

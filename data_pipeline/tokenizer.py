@@ -79,7 +79,7 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 """Hugging Face's file beside tokenizer.json that names the special tokens (eos_token, bos_token)."""
 
 
-def _configured(path: str, key: str) -> str:
+def configured_token(path: str, key: str) -> str:
     """tokenizer_config.json's key (eos_token or bos_token) beside the tokenizer.json at path, or ''."""
     try:
         with open(os.path.join(os.path.dirname(os.path.abspath(path)), TOKENIZER_CONFIG), encoding="utf-8") as f:
@@ -92,7 +92,7 @@ def _configured(path: str, key: str) -> str:
 def eos_name(path: str, tok, eos_token: str = "") -> str:
     """The document separator's string: eos_token (data.eos_token) when given, else tokenizer_config.json's eos_token
     beside path, else [EOT] when the tokenizer has it. Raises DataError asking for --data.eos_token otherwise."""
-    name = eos_token or _configured(path, "eos_token") or (EOT if tok.token_to_id(EOT) is not None else "")
+    name = eos_token or configured_token(path, "eos_token") or (EOT if tok.token_to_id(EOT) is not None else "")
     if not name:
         raise DataError(f"data.tokenizer: '{path}' has no {EOT} and no {TOKENIZER_CONFIG} beside it naming its "
                         f"eos_token; give the document separator with --data.eos_token (e.g. '<|end_of_text|>')")
@@ -125,3 +125,21 @@ def same_tokenizer(a: str, b: str) -> bool:
     Raises DataError naming a file that is missing or unreadable (as load_tokenizer).
     """
     return a == b or load_tokenizer(a).to_str() == load_tokenizer(b).to_str()
+
+
+def write_tokenizer_config(cfg, work: str) -> None:
+    """prepare.py: the run's tokenizer_config.json (Hugging Face's file) in folder work: the one beside
+    data.tokenizer, with data.eos_token and data.bos_token (cfg: the DataConfig) written in when set, so
+    evaluation, generation and export find the run's separator beside the run's tokenizer.json
+    (separator_ids). None for a tokenizer whose defaults are the run's ([EOT], no tokenizer_config.json)."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(cfg.tokenizer)), TOKENIZER_CONFIG) if cfg.tokenizer else ""
+    beside = beside if beside and os.path.isfile(beside) else ""
+    if not (beside or cfg.eos_token or cfg.bos_token):
+        return
+    config = {}
+    if beside:
+        with open(beside, encoding="utf-8") as f:
+            config = json.load(f)
+    config.update({k: getattr(cfg, k) for k in ("eos_token", "bos_token") if getattr(cfg, k)})
+    with open(os.path.join(work, TOKENIZER_CONFIG), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
