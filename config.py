@@ -285,7 +285,8 @@ def check_pretokenized(d: DataConfig, model: ModelArgs, run_dir: str) -> None:
     tok = load_tokenizer(path)
     eos, _ = separator_ids(path, d.eos_token, d.bos_token, tok)
     for src in srcs:
-        if src.format == "tokens":
+        if src.format == "tokens":  # materialised by preparation, which checks its ids; here its files and column
+            pretokenized.token_files(src)
             continue
         pretokenized.check_source(src, tok.get_vocab_size(), model.vocab_size, eos, eos_name(path, tok, d.eos_token))
 

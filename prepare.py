@@ -74,6 +74,8 @@ def _rank_units(cfg: SourceConfig, rank: int, world: int) -> tuple[int, Iterator
     rank reads those N (a bounded read) and keeps its blocks. Otherwise the units are the
     source's own (source_units) and a rank reads only its own.
     """
+    if cfg.format == "tokens":  # token ids already: one unit per file, copied by pretokenized.copy_rows
+        return pretokenized.rank_units(cfg, rank, world)
     if not cfg.max_documents:
         units = source_units(cfg)
         return len(units), ((u, units[u]()) for u in range(rank, len(units), world))
@@ -214,7 +216,9 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
         counts = []
         for u, texts in units:
             with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
-                counts.append((u, *tokenize_documents(texts, tokenizer, out, meta["dtype"], separators=separators)))
+                counts.append((u, *(pretokenized.copy_rows(texts, src.token_column, out, separators[0], meta["dtype"],
+                                                           tokenizer.get_vocab_size()) if src.format == "tokens" else
+                                    tokenize_documents(texts, tokenizer, out, meta["dtype"], separators=separators))))
             progress.unit_done(*counts[-1][1:])
         return counts
 
@@ -284,7 +288,7 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         if src.pretokenized and src.format != "tokens":  # read in place: recorded, never copied
             changed = pretokenized.record_in_place(src, meta, out_dir) or changed
             continue
-        files[src.name] = files_record(src)
+        files[src.name] = pretokenized.files_record(src) if src.pretokenized else files_record(src)
         if record is not None and record.get("files") and files[src.name] and \
                 record["files"]["digest"] != files[src.name]["digest"]:
             raise source_changed(src, out_dir, record["files"], files[src.name])
@@ -324,10 +328,8 @@ def _make_tokenizer(cfg: DataConfig):
     """Rank 0: the tokenizer of data.tokenizer, or one trained on the sources in proportion to their weights."""
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
-    srcs = [s for s in cfg.source_list() if not s.pretokenized]
-    if not srcs:
-        raise DataError("data.tokenizer is empty but every source holds token ids; give --data.tokenizer, the "
-                        "tokenizer.json they were made with")
+    if not (srcs := [s for s in cfg.source_list() if not s.pretokenized]):
+        raise DataError("data.tokenizer is empty but every source holds token ids; give its tokenizer.json")
     shares = ", ".join(f"{s.name} {share:.0%}" for s, share in zip(srcs, weight_shares([s.weight for s in srcs])))
     print(f"[data] training a byte-level BPE tokenizer of {cfg.tokenizer_vocab_size} tokens on up to "
           f"{cfg.tokenizer_train_chars:,} characters of {shares}", flush=True)

@@ -261,3 +261,27 @@ def test_text_sources_keep_their_settings_and_key():
     assert SourceConfig(name="a", dataset="stdlib").reading() == {
         "dataset": "stdlib", **{k: None for k in data.READING_FIELDS}}
     assert "eos_token" not in Config().data.prepared_settings()["tokenizer"]
+
+
+def test_a_tokens_dataset_is_materialised_once_with_an_eos_after_each_row(raw_corpus, tmp_path):
+    """data.format tokens: parquet and arrow files with an input_ids column; rows already ending with the EOS keep
+    theirs, the others get one; the stream is the rows' ids in file order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    _, out, _ = raw_corpus
+    docs = _docs(30, 7)
+    rows = [d.tolist() if i % 2 else d[:-1].tolist() for i, d in enumerate(docs)]  # half without their EOS
+    (tmp_path / "ds").mkdir()
+    pq.write_table(pa.table({"input_ids": rows[:10], "text": ["x"] * 10}), tmp_path / "ds" / "a.parquet")
+    table = pa.table({"input_ids": rows[10:]})
+    with pa.ipc.new_stream(str(tmp_path / "ds" / "b.arrow"), table.schema) as w:
+        w.write_table(table)
+    cfg = DataConfig(dataset=str(tmp_path / "ds"), format="tokens", tokenizer=os.path.join(out, "tokenizer.json"),
+                     seq_len=16)
+    check_pretokenized(cfg, _model(), str(tmp_path / "run"))
+    prepare.prepare(cfg, str(tmp_path / "data"))
+    meta = data.read_meta(str(tmp_path / "data"))["sources"]["default"]
+    stream = np.fromfile(os.path.join(tmp_path, "data", meta["file"]), dtype=meta["dtype"])
+    assert stream.tolist() == np.concatenate(docs).tolist() and meta["n_documents"] == 30
+    bad = DataConfig(dataset=str(tmp_path / "ds"), format="tokens", token_column="ids", tokenizer=cfg.tokenizer)
+    assert "has no column 'ids'" in _check(bad, tmp_path)
