@@ -79,13 +79,18 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 """Hugging Face's file beside tokenizer.json that names the special tokens (eos_token, bos_token)."""
 
 
-def configured_token(path: str, key: str) -> str:
-    """tokenizer_config.json's key (eos_token or bos_token) beside the tokenizer.json at path, or ''."""
+def _tokenizer_config(path: str) -> dict:
     try:
         with open(os.path.join(os.path.dirname(os.path.abspath(path)), TOKENIZER_CONFIG), encoding="utf-8") as f:
-            value = json.load(f).get(key) or ""
-    except (OSError, ValueError, AttributeError):
-        return ""
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def configured_token(path: str, key: str) -> str:
+    """tokenizer_config.json's key (eos_token or bos_token) beside the tokenizer.json at path, or ''."""
+    value = _tokenizer_config(path).get(key) or ""
     return value.get("content", "") if isinstance(value, dict) else str(value)
 
 
@@ -102,10 +107,14 @@ def eos_name(path: str, tok, eos_token: str = "") -> str:
 def separator_ids(path: str, eos_token: str = "", bos_token: str = "", tok=None) -> tuple[int, int | None]:
     """(EOS id put after every document, BOS id put before each or None) of the tokenizer.json at path.
 
-    eos_token/bos_token: data.eos_token and data.bos_token (empty: the tokenizer's own EOS, and
-    no BOS). Raises DataError naming the field when a token is not in the vocabulary.
+    eos_token/bos_token: data.eos_token and data.bos_token (empty: the tokenizer's own EOS, and its
+    bos_token where its tokenizer_config.json says add_bos_token true, as a run's own copy does
+    when data.bos_token was set, else no BOS). Raises DataError naming the field when a token is
+    not in the vocabulary.
     """
     tok = tok or load_tokenizer(path)
+    if not bos_token and _tokenizer_config(path).get("add_bos_token") is True:  # a run's own file says it put one
+        bos_token = configured_token(path, "bos_token")
     ids = []
     for field, name in (("data.eos_token", eos_name(path, tok, eos_token)), ("data.bos_token", bos_token)):
         i = tok.token_to_id(name) if name else None
@@ -141,5 +150,6 @@ def write_tokenizer_config(cfg, work: str) -> None:
         with open(beside, encoding="utf-8") as f:
             config = json.load(f)
     config.update({k: getattr(cfg, k) for k in ("eos_token", "bos_token") if getattr(cfg, k)})
+    config["add_bos_token"] = bool(cfg.bos_token)  # what this run put before every document (separator_ids)
     with open(os.path.join(work, TOKENIZER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)

@@ -285,3 +285,75 @@ def test_a_tokens_dataset_is_materialised_once_with_an_eos_after_each_row(raw_co
     assert stream.tolist() == np.concatenate(docs).tolist() and meta["n_documents"] == 30
     bad = DataConfig(dataset=str(tmp_path / "ds"), format="tokens", token_column="ids", tokenizer=cfg.tokenizer)
     assert "has no column 'ids'" in _check(bad, tmp_path)
+
+
+def test_the_command_refuses_bad_token_files_in_one_line_and_writes_nothing(raw_corpus, tmp_path, monkeypatch,
+                                                                            capsys):
+    from launch import DEBUG, main_in_process
+    _, out, _ = raw_corpus
+    tok = os.path.join(out, "tokenizer.json")
+    docs = _docs(20, 8)
+    write_megatron(str(tmp_path / "short"), docs)
+    with open(tmp_path / "short.bin", "r+b") as f:
+        f.truncate(10)
+    big = [d.copy() for d in docs]
+    big[3][1] = 5000
+    write_megatron(str(tmp_path / "big"), big)
+    for prefix, msg in (("short", "truncated"), ("big", "token id 5000 >= model.vocab_size 4096")):
+        rd = tmp_path / f"run_{prefix}"
+        rc, err = main_in_process(monkeypatch, capsys, "--config", DEBUG, "--run_dir", str(rd), "--data.format",
+                                  "megatron", "--data.dataset", str(tmp_path / prefix), "--data.tokenizer", tok)
+        assert rc == 2 and err.startswith("error: ") and msg in err and err.count("\n") == 1, err
+        assert not rd.exists()
+
+
+def _run_args(rd, *extra):
+    return ["--config", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                                     "debug.toml"), "--run_dir", str(rd), "--train.steps", "3", "--train.val_interval",
+            "0", "--checkpoint.interval", "1000", *map(str, extra)]
+
+
+@pytest.mark.slow
+def test_raw_text_and_the_same_tokens_as_megatron_and_datatrove_train_alike(tmp_path):
+    """2 ranks, 3 steps: the raw-text run's losses, bitwise, from its stream written as Megatron and datatrove files."""
+    from launch import losses, prepared_data_dir, torchrun
+    raw = tmp_path / "raw"
+    prepared_data_dir(raw)
+    torchrun(2, "train_fsdp.py", *_run_args(raw))
+    meta = data.read_meta(str(raw / "data"))["sources"]["default"]
+    flat = np.fromfile(raw / "data" / meta["file"], dtype=meta["dtype"])
+    docs = _split(flat, (np.flatnonzero(flat == EOS) + 1).tolist())
+    write_megatron(str(tmp_path / "corpus_text_document"), docs, np.uint16)
+    write_datatrove(str(tmp_path / "c.ds"), docs)
+    for fmt, spec in (("megatron", "corpus_text_document"), ("datatrove", "c.ds")):
+        rd = tmp_path / fmt
+        torchrun(2, "train_fsdp.py", *_run_args(rd, "--data.format", fmt, "--data.dataset", tmp_path / spec,
+                                                "--data.tokenizer", raw / "data" / "tokenizer.json"))
+        assert losses(rd) == losses(raw)
+        assert not os.path.isdir(rd / "data" / "sources") or not os.listdir(rd / "data" / "sources")  # no copy
+
+
+@pytest.mark.slow
+def test_a_llama3_shaped_tokenizer_trains_generates_and_exports(tmp_path, capsys):
+    """<|begin_of_text|> before and <|end_of_text|> after each document, document_mask on its EOS id; generation
+    starts from its BOS; the export names them and transformers' tokenizer gives the same ids."""
+    transformers = pytest.importorskip("transformers")
+    import generate
+    import hf
+    from launch import metrics, torchrun
+    path = llama3_like_tokenizer(str(tmp_path / "tok"))
+    rd = tmp_path / "run"
+    torchrun(1, "train_fsdp.py", *_run_args(rd, "--data.tokenizer", path, "--data.bos_token", "<|begin_of_text|>",
+                                            "--model.document_mask", "true", "--model.eot_id", "1",
+                                            "--data.max_documents", "60"))
+    assert len([r for r in metrics(rd) if "loss" in r]) == 3
+    assert generate.main(["--run_dir", str(rd), "--prompt", "def f(", "--max_new_tokens", "4"]) == 0
+    assert hf.main(["export", "--run_dir", str(rd), "--out", str(tmp_path / "hf")]) == 0
+    with open(tmp_path / "hf" / "config.json") as f:
+        config = json.load(f)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    ours = tokenizer.load_tokenizer(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert theirs.eos_token == "<|end_of_text|>" and theirs.bos_token == "<|begin_of_text|>"
+    text = "def f3(x): return x * 3\n"
+    assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text, add_special_tokens=False).ids
