@@ -137,6 +137,8 @@ class DataConfig:
     """The document separator put after every document (and expected at the end of every pre-tokenized one); empty: the tokenizer's own EOS (tokenizer_config.json's eos_token beside it, else [EOT])."""
     bos_token: str = ""
     """A token put before every raw-text document (Llama 3: '<|begin_of_text|>'); empty: none."""
+    prepared_format: Literal["bin", "megatron"] = "bin"
+    """How preparation leaves each raw source's stream RUN_DIR/data/sources/NAME-KEY.bin: 'bin' (this trainer's flat stream alone) or 'megatron' (with a Megatron-Core MMIDIDX NAME-KEY.idx beside it, so Megatron, NeMo or MaxText read the prefix RUN_DIR/data/sources/NAME-KEY). The tokens are the same either way."""
     prepared: str = ""
     """A prepared data directory to train from (tokenizer.json, meta.json, sources/), local or a URL such as s3://BUCKET/PREFIX (written by prepare.py --data.prepared URL); its meta.json must match these data settings. Each node copies the files it needs into data.cache_dir. Empty: the run prepares RUN_DIR/data itself."""
     cache_dir: str = ""

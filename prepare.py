@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
@@ -39,7 +38,7 @@ from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
 from data_pipeline.sources import check_source, files_record, iter_documents, source_changed, source_units, txt_notice
 from data_pipeline.tokenizer import encode_plain, load_tokenizer, separator_ids, train_tokenizer, write_tokenizer_config
-from observability.progress import duration
+from observability.progress import ProgressLines
 from parallel import distributed
 from storage import fs
 from storage.fs import check_location
@@ -89,33 +88,6 @@ def _document_blocks(cfg: SourceConfig, rank: int, world: int) -> Iterator[tuple
         else:
             for _ in block:  # groupby needs the block consumed before it moves on
                 pass
-
-
-class _ProgressLines:
-    """Rank 0's progress while tokenizing: one line at most every INTERVAL_S seconds, and one at the end.
-
-    Rank 0 sees only its own share; the ranks share the units evenly, so its ETA is the run's.
-    """
-
-    INTERVAL_S = 10.0
-
-    def __init__(self, enabled: bool, n_units: int, rank: int, world: int, name: str = ""):
-        self.enabled, self.world, self.name = enabled, world, name
-        self.mine = len(range(rank, n_units, world))
-        self.units = self.docs = self.tokens = 0
-        self.t0 = self.last = time.perf_counter()
-        if enabled:
-            print(f"[data] tokenizing {n_units} work unit(s) of '{name}' on {world} rank(s)", flush=True)
-
-    def unit_done(self, n_tokens: int, n_docs: int) -> None:
-        self.units, self.docs, self.tokens = self.units + 1, self.docs + n_docs, self.tokens + n_tokens
-        now = time.perf_counter()
-        if self.enabled and (now - self.last >= self.INTERVAL_S or self.units == self.mine):
-            self.last, elapsed = now, now - self.t0
-            eta = elapsed / self.units * max(0, self.mine - self.units)
-            print(f"[data] rank 0: {self.units}/{self.mine} units, {self.docs:,} documents, {self.tokens:,} tokens, "
-                  f"{self.tokens / max(elapsed, 1e-9):,.0f} tokens/s, {'ETA ' + duration(eta) if eta else 'done'}",
-                  flush=True)
 
 
 def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, dtype: str = "uint32",
@@ -212,7 +184,7 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
         tokenizer = tokenizer or load_tokenizer(os.path.join(work, "tokenizer.json"))
         separators = separator_ids(os.path.join(work, "tokenizer.json"), cfg.eos_token, cfg.bos_token, tokenizer)
         n_units, units = _rank_units(src, rank, world)
-        progress = _ProgressLines(rank == 0, n_units, rank, world, src.name)
+        progress = ProgressLines(rank == 0, n_units, rank, world, src.name)
         counts = []
         for u, texts in units:
             with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
@@ -229,7 +201,7 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
         meta["sources"][name] = {**record, "files": plan["files"][name]} if plan["files"].get(name) else record
         if rank == 0 and src.max_documents and record["n_documents"] < src.max_documents:
             _say_cap(src, "tokenized", record["n_documents"])
-    agree(lambda: _finish_prepare(out_dir, tmp, work, meta, plan["changed"]) if rank == 0 else None)
+    agree(lambda: _finish_prepare(out_dir, tmp, work, meta, plan["changed"], cfg) if rank == 0 else None)
     meta = {**meta, "tokenizer": os.path.join(out_dir, "tokenizer.json")}
     records = [meta["sources"][name] for name in by_name]
     return {**meta, "n_tokens": sum(r["n_tokens"] for r in records),
@@ -378,9 +350,13 @@ def _join_source(src, work: str, parts: str, file: str, counts: list[tuple[int, 
             "work_units": len(counts), "config": src.reading(), "sha256": digest.hexdigest()}
 
 
-def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool) -> None:
-    """Rank 0: write meta.json (when anything changed) and, for a first preparation, rename tmp to out_dir."""
+def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool, cfg: DataConfig) -> None:
+    """Rank 0: write meta.json (when anything changed), each stream's Megatron .idx with data.prepared_format
+    megatron, and, for a first preparation, rename tmp to out_dir."""
     shutil.rmtree(os.path.join(work, PARTS), ignore_errors=True)
+    if cfg.prepared_format == "megatron":
+        eos, _ = separator_ids(os.path.join(work, "tokenizer.json"), cfg.eos_token, cfg.bos_token)
+        pretokenized.index_streams(work, meta, eos)
     if changed:
         record = {k: v for k, v in meta.items() if k != "legacy"}
         record["tokenizer_sha256"] = fs.sha256(os.path.join(work, "tokenizer.json"))

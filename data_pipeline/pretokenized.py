@@ -392,3 +392,37 @@ def rank_units(src, rank: int, world: int) -> tuple[int, Iterator[tuple[int, str
     """prepare.py's work units of a 'tokens' source: (number of files, [(unit, file path)] of rank's share, u % world)."""
     files = token_files(src)
     return len(files), ((u, files[u]) for u in range(rank, len(files), world))
+
+
+MEGATRON_CODES = {"uint16": 8, "uint32": 4}
+"""The Megatron dtype codes of prepared streams: uint16, or int32 for uint32 files (the same bytes for ids below
+2**31; Megatron-Core has no uint32 code)."""
+
+
+def write_megatron_index(path: str, lengths: np.ndarray, dtype: str) -> None:
+    """A Megatron-Core MMIDIDX index (version 1, one sequence per document) for the flat token file whose documents
+    have these lengths, written to path (through a .tmp file, renamed into place). Layout: read_megatron_index."""
+    lengths = np.asarray(lengths, dtype=np.int32)
+    itemsize = np.dtype(dtype).itemsize
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64) * itemsize
+    with open(path + ".tmp", "wb") as f:
+        f.write(MEGATRON_MAGIC + struct.pack("<QBQQ", MEGATRON_VERSION, MEGATRON_CODES[dtype], len(lengths),
+                                             len(lengths) + 1))
+        f.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    os.replace(path + ".tmp", path)
+
+
+def index_streams(work: str, meta: dict, eos_id: int, block: int = 1 << 26) -> None:
+    """prepare.py with data.prepared_format megatron: sources/NAME-KEY.idx beside every prepared stream that has
+    none, its documents ended by eos_id (one pass over the stream, block tokens at a time), so NAME-KEY is a
+    Megatron prefix of the same tokens."""
+    for record in meta["sources"].values():
+        if "file" not in record or os.path.exists(os.path.join(work, record["file"])[:-4] + ".idx"):
+            continue
+        path = os.path.join(work, record["file"])
+        tokens = np.memmap(path, dtype=record["dtype"], mode="r")
+        ends = [np.flatnonzero(tokens[a:a + block] == eos_id) + a + 1 for a in range(0, tokens.size, block)]
+        ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+        if ends.size == 0 or ends[-1] != tokens.size:  # a stream always ends with EOS; guard a legacy one
+            ends = np.append(ends, tokens.size)
+        write_megatron_index(path[:-4] + ".idx", np.diff(ends, prepend=0), record["dtype"])

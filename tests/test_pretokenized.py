@@ -65,6 +65,12 @@ def test_our_megatron_writer_is_megatron_cores(tmp_path):
     write_megatron(str(tmp_path / "ours"), docs, np.uint16)
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"real{ext}").read_bytes() == (tmp_path / f"ours{ext}").read_bytes()
+    # prepare.py's own index (data.prepared_format megatron) is the builder's too, and Megatron-Core reads it
+    pretokenized.write_megatron_index(str(tmp_path / "prepared.idx"), [len(d) for d in docs], "uint16")
+    assert (tmp_path / "prepared.idx").read_bytes() == (tmp_path / "real.idx").read_bytes()
+    shutil.copyfile(tmp_path / "real.bin", tmp_path / "prepared.bin")
+    read = indexed.IndexedDataset(str(tmp_path / "prepared"))
+    assert [read[i].tolist() for i in range(len(read))] == [d.tolist() for d in docs]
 
 
 def test_numpy_and_datatrove_readers_give_back_each_document(tmp_path):
@@ -357,3 +363,20 @@ def test_a_llama3_shaped_tokenizer_trains_generates_and_exports(tmp_path, capsys
     assert theirs.eos_token == "<|end_of_text|>" and theirs.bos_token == "<|begin_of_text|>"
     text = "def f3(x): return x * 3\n"
     assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text, add_special_tokens=False).ids
+
+
+def test_prepared_format_megatron_writes_an_index_megatron_reads(raw_corpus, tmp_path):
+    """--data.prepared_format megatron: the prepared stream with a Megatron .idx beside it, read back as a megatron
+    source with the prepared source's documents and windows."""
+    cfg, out, _ = raw_corpus
+    mcfg = DataConfig(dataset=cfg.dataset, tokenizer=os.path.join(out, "tokenizer.json"), seq_len=16, val_fraction=0.1,
+                      prepared_format="megatron")
+    prepare.prepare(mcfg, str(tmp_path / "data"))
+    meta = data.read_meta(str(tmp_path / "data"))["sources"]["default"]
+    prefix = str(tmp_path / "data" / meta["file"])[:-4]
+    shards = pretokenized.open_shards(_src("megatron", prefix), 300)
+    assert shards[0].n_tokens == meta["n_tokens"] and len(shards[0].doc_ends) == meta["n_documents"]
+    reread = DataConfig(dataset=prefix, format="megatron", tokenizer=mcfg.tokenizer, seq_len=16, val_fraction=0.1)
+    prepare.prepare(reread, str(tmp_path / "again"))
+    a, b = data.PackedCorpus(str(tmp_path / "data"), mcfg), data.PackedCorpus(str(tmp_path / "again"), reread, 300)
+    assert [a.sample(i).tolist() for i in range(a.n_train)] == [b.sample(i).tolist() for i in range(b.n_train)]
