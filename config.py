@@ -23,7 +23,7 @@ import torch
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from core import cli
 from core.errors import ConfigError, SetupError
-from data import DataConfig
+from data import DataConfig, read_meta
 from data_pipeline import datacache, mixture, pretokenized
 from data_pipeline.sources import check_source
 from data_pipeline.tokenizer import eos_name, load_tokenizer, separator_ids
@@ -276,19 +276,25 @@ def check_pretokenized(d: DataConfig, model: ModelArgs, run_dir: str) -> None:
         raise SetupError(f"data.prepared cannot carry {srcs[0].field('format')} {srcs[0].format}: a pre-tokenized "
                          f"source is read in place; give its files on a filesystem every node sees, without "
                          f"data.prepared")
-    path = d.tokenizer or RunDir(run_dir).tokenizer
-    if not os.path.isfile(path) and all(s.pretokenized for s in d.source_list()):
-        raise SetupError(f"{srcs[0].field('format')} {srcs[0].format}: the corpus holds token ids, so give "
+    path = d.tokenizer or RunDir(run_dir).tokenizer  # a resume has the run's own
+    if not os.path.isfile(path):  # a tokenizer trained here on the raw sources could not have made these ids
+        raise SetupError(f"{srcs[0].field('format')} {srcs[0].format}: the source holds token ids, so give "
                          f"--data.tokenizer, the tokenizer.json it was tokenized with")
-    if not os.path.isfile(path):  # trained on the raw sources first: their preparation checks the rest
-        return
     tok = load_tokenizer(path)
     eos, _ = separator_ids(path, d.eos_token, d.bos_token, tok)
+    meta = os.path.join(RunDir(run_dir).data, "meta.json")
+    records = read_meta(RunDir(run_dir).data)["sources"] if os.path.isfile(meta) else {}
     for src in srcs:
         if src.format == "tokens":  # materialised by preparation, which checks its ids; here its files and column
             pretokenized.token_files(src)
             continue
-        pretokenized.check_source(src, tok.get_vocab_size(), model.vocab_size, eos, eos_name(path, tok, d.eos_token))
+        shards = pretokenized.check_source(src, tok.get_vocab_size(), model.vocab_size, eos,
+                                           eos_name(path, tok, d.eos_token))
+        then = records.get(src.name, {})
+        if "shards" in then and then.get("config") == src.reading():  # a resume: the corpus it started with
+            now = pretokenized.identity(shards)
+            if then["files"]["digest"] != now["digest"]:
+                raise pretokenized.corpus_changed(src, RunDir(run_dir).data, then["files"], now)
 
 
 def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:

@@ -29,7 +29,6 @@ from typing import BinaryIO, Callable, Iterator
 import numpy as np
 
 from data import DataError
-from data_pipeline.sources import source_changed
 from data_pipeline.streams import TokenStream
 
 PRETOKENIZED = ("megatron", "numpy", "datatrove")
@@ -280,9 +279,10 @@ def describe(src, vocab_size: int) -> dict:
             "shards": [s.record() for s in shards], "files": identity(shards), "config": src.reading()}
 
 
-def check_source(src, tokenizer_vocab: int, model_vocab: int, eos_id: int, eos_name: str) -> None:
-    """Every start-up check of a pre-tokenized source, reading indexes, sizes and a scan (no collective): raises
-    DataError for bad input (missing or damaged index, size, dtype, empty shard, ids >= model_vocab, another EOS)."""
+def check_source(src, tokenizer_vocab: int, model_vocab: int, eos_id: int, eos_name: str) -> list[Shard]:
+    """Every start-up check of a pre-tokenized source, reading indexes, sizes and a scan (no collective); returns
+    its shards. Raises DataError for bad input (missing or damaged index, size, dtype, empty shard, ids >=
+    model_vocab, another EOS)."""
     shards = open_shards(src, tokenizer_vocab)
     check_eos(src, shards, eos_id, eos_name)
     stream = TokenStream([s.record() for s in shards])
@@ -292,6 +292,17 @@ def check_source(src, tokenizer_vocab: int, model_vocab: int, eos_id: int, eos_n
         return f"{_field(src)}: '{stream.paths[i]}' (token {at - int(stream.offsets[i]):,})"
 
     check_ids(stream, model_vocab, where)
+    return shards
+
+
+def corpus_changed(src, out_dir: str, then: dict, now: dict) -> DataError:
+    """The DataError of a pre-tokenized source whose files (identity: then, now) changed since the run recorded them."""
+    def files(r):
+        return f"{r['n']} shard{'s' if r['n'] != 1 else ''}, {r['bytes']:,} bytes"
+
+    return DataError(f"{_field(src)}: '{src.dataset}' changed since the run recorded it in '{out_dir}' ({files(then)} "
+                     f"then, {files(now)} now, or other indexes): its windows would not be the ones the checkpoints "
+                     f"were trained on; restore the files, or start a new --run_dir for the new corpus")
 
 
 def record_in_place(src, meta: dict, out_dir: str) -> bool:
@@ -304,7 +315,7 @@ def record_in_place(src, meta: dict, out_dir: str) -> bool:
     if record is not None:
         now = identity(open_shards(src, meta["vocab_size"]))
         if record.get("files", {}).get("digest") != now["digest"]:
-            raise source_changed(src, out_dir, record["files"], now)
+            raise corpus_changed(src, out_dir, record["files"], now)
         print(f"[data] source '{src.name}' ({src.dataset}) read in place, unchanged", flush=True)
         return False
     meta["sources"][src.name] = record = describe(src, meta["vocab_size"])

@@ -220,7 +220,7 @@ def test_a_corpus_changed_under_a_run_is_refused(raw_corpus, tmp_path):
     prepare.prepare(cfg, str(tmp_path / "data"))
     prepare.prepare(cfg, str(tmp_path / "data"))  # unchanged: reused
     write_megatron(str(tmp_path / "c"), docs[:-1])
-    with pytest.raises(DataError, match="changed since"):
+    with pytest.raises(DataError, match="changed since the run recorded it"):
         prepare.prepare(cfg, str(tmp_path / "data"))
 
 
@@ -380,3 +380,15 @@ def test_prepared_format_megatron_writes_an_index_megatron_reads(raw_corpus, tmp
     prepare.prepare(reread, str(tmp_path / "again"))
     a, b = data.PackedCorpus(str(tmp_path / "data"), mcfg), data.PackedCorpus(str(tmp_path / "again"), reread, 300)
     assert [a.sample(i).tolist() for i in range(a.n_train)] == [b.sample(i).tolist() for i in range(b.n_train)]
+
+
+def test_a_changed_corpus_is_refused_before_any_collective(raw_corpus, tmp_path):
+    """The start-up checks compare the run's record with the files (as preparation does, later, on rank 0)."""
+    _, out, _ = raw_corpus
+    docs = _docs(10, 9)
+    write_megatron(str(tmp_path / "c"), docs)
+    cfg = DataConfig(dataset=str(tmp_path / "c"), format="megatron", tokenizer=os.path.join(out, "tokenizer.json"))
+    prepare.prepare(cfg, str(tmp_path / "run" / "data"))
+    check_pretokenized(cfg, _model(), str(tmp_path / "run"))  # unchanged
+    write_megatron(str(tmp_path / "c"), docs[::-1])  # the same sizes, another order: the index differs
+    assert "changed since the run recorded it" in _check(cfg, tmp_path)
