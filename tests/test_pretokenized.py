@@ -392,3 +392,40 @@ def test_a_changed_corpus_is_refused_before_any_collective(raw_corpus, tmp_path)
     check_pretokenized(cfg, _model(), str(tmp_path / "run"))  # unchanged
     write_megatron(str(tmp_path / "c"), docs[::-1])  # the same sizes, another order: the index differs
     assert "changed since the run recorded it" in _check(cfg, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_mixture_with_a_megatron_source_resumes_at_another_world_size(tmp_path):
+    """Raw text and Megatron sources with a stage at step 2: 4 steps at 2 ranks, and 2 steps at 2 ranks then a resume
+    at 1 rank to step 4, give the same losses (up to the reduction order)."""
+    from launch import DEBUG, losses, prepared_data_dir, torchrun
+    cache = tmp_path / "cache"
+    prepared_data_dir(cache)
+    meta = data.read_meta(str(cache / "data"))["sources"]["default"]
+    flat = np.fromfile(cache / "data" / meta["file"], dtype=meta["dtype"])
+    write_megatron(str(tmp_path / "corpus_text_document"), _split(flat, (np.flatnonzero(flat == EOS) + 1).tolist()))
+    config = tmp_path / "mixed.toml"
+    config.write_text(open(DEBUG).read() + f"""
+[[data.sources]]
+name = "text"
+dataset = "stdlib"
+weight = 0.5
+
+[[data.sources]]
+name = "meg"
+dataset = "{tmp_path / 'corpus_text_document'}"
+format = "megatron"
+weight = 0.5
+
+[[data.stages]]
+start_step = 2
+weights = {{ meg = 0.8, text = 0.2 }}
+""")
+    common = ["--config", config, "--data.tokenizer", cache / "data" / "tokenizer.json", "--train.val_interval", "0",
+              "--checkpoint.interval", "2"]
+    torchrun(2, "train_fsdp.py", *common, "--run_dir", tmp_path / "whole", "--train.steps", "4")
+    torchrun(2, "train_fsdp.py", *common, "--run_dir", tmp_path / "split", "--train.steps", "2")
+    torchrun(1, "train_fsdp.py", *common, "--run_dir", tmp_path / "split", "--train.steps", "4")
+    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
+    assert sorted(split) == [1, 2, 3, 4]
+    assert all(abs(split[s] - whole[s]) <= 1e-4 * abs(whole[s]) for s in whole), (whole, split)
