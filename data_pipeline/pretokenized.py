@@ -1,9 +1,11 @@
 """Corpora tokenized elsewhere, read in place: Megatron, OLMo/Dolma numpy and datatrove token files.
 
-Each format is small enough to read with numpy, so none brings its library in (Megatron-Core
-pulls in torch extensions, apex-era build steps and its own config system; datatrove pulls in
-its pipeline stack): only the index files are parsed at start, and the token files are mapped
-with ``numpy.memmap``, never copied.
+Each format is small enough to read with numpy, so none brings its library in (importing
+Megatron-Core's indexed_dataset imports megatron.core whole, 6.5 s here, and its package
+requires a torch that pip would resolve against ours; datatrove brings its pipeline stack):
+only the index files are parsed at start, and the token files are mapped with
+``numpy.memmap``, never copied. The ``tokens`` format (a parquet/arrow column of ids) is copied
+once by prepare.py instead (copy_rows): arrow rows are not a flat stream.
 
 | format      | token files                  | index                                   | dtype               |
 |-------------|------------------------------|-----------------------------------------|---------------------|
@@ -41,8 +43,8 @@ MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int6
 """Megatron-Core's DType codes (megatron/core/datasets/indexed_dataset.py); 6 and 7 are not token ids."""
 
 FULL_SCAN_TOKENS = 1 << 26
-"""Sources of up to this many tokens are scanned whole at start (about 0.1 s per 64M uint16 tokens from the page
-cache); larger ones in SCAN_SAMPLES evenly spaced blocks, and every window is checked again when a batch is built."""
+"""Sources of up to this many tokens are scanned whole at start (a fraction of a second from the page cache);
+larger ones in SCAN_SAMPLES evenly spaced blocks, and every window is checked again when a batch is built."""
 SCAN_SAMPLES, SCAN_BLOCK = 256, 1 << 16
 EOS_SAMPLES = 1024
 """Document ends read at start to check that documents end with the tokenizer's EOS id."""
