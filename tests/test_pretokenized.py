@@ -363,6 +363,11 @@ def test_a_llama3_shaped_tokenizer_trains_generates_and_exports(tmp_path, capsys
     assert theirs.eos_token == "<|end_of_text|>" and theirs.bos_token == "<|begin_of_text|>"
     text = "def f3(x): return x * 3\n"
     assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text, add_special_tokens=False).ids
+    # Continued pretraining from that Hugging Face folder: its tokenizer (no [EOT]) is the run's, its EOS the separator
+    cont = tmp_path / "continued"
+    torchrun(1, "train_fsdp.py", *_run_args(cont, "--init_from_hf", tmp_path / "hf", "--model.document_mask", "true",
+                                            "--model.eot_id", "1", "--data.max_documents", "60", "--train.steps", "1"))
+    assert len([r for r in metrics(cont) if "loss" in r]) == 1
 
 
 def test_prepared_format_megatron_writes_an_index_megatron_reads(raw_corpus, tmp_path):
