@@ -326,7 +326,7 @@ def validate(cfg: Config, world_size: int) -> None:
     Raises SetupError (or DataError for a source) naming the fields and the fix: world size
     not divisible by parallel.tp, a global batch that does not split over the data-parallel
     ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
-    source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
+    source, a pre-tokenized source's bad or changed files (check_pretokenized), a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
     unwritable run directory, a local [[eval.tasks]] file that is unreadable or lacks its
     columns or has a gold index out of range; a StorageError for a checkpoint or data URL that
