@@ -259,13 +259,14 @@ def check_eos(src, shards: list[Shard], eos_id: int, eos_name: str) -> None:
     the source, or each shard's last token for numpy (the file cannot say where documents end)."""
     ends = [(s, int(e) - 1) for s in shards for e in (s.doc_ends if s.doc_ends is not None else [s.n_tokens])]
     pick = ends if len(ends) <= EOS_SAMPLES else [ends[int(k)] for k in np.linspace(0, len(ends) - 1, EOS_SAMPLES)]
-    maps: dict[str, np.memmap] = {}
     for shard, pos in pick:
-        m = maps.get(shard.path)
-        if m is None:
-            m = maps[shard.path] = np.memmap(shard.path, dtype=shard.dtype, mode="r")
-        if pos >= 0 and int(m[pos]) != eos_id:
-            raise DataError(f"{_field(src)}: a document of '{shard.path}' ends at token {pos:,} with id {int(m[pos])}, "
+        if pos < 0:
+            continue
+        with open(shard.path, "rb") as f:  # one token each: no map (1,024 of them would hold as many descriptors)
+            f.seek(pos * shard.dtype.itemsize)
+            last = int(np.frombuffer(f.read(shard.dtype.itemsize), dtype=shard.dtype)[0])
+        if last != eos_id:
+            raise DataError(f"{_field(src)}: a document of '{shard.path}' ends at token {pos:,} with id {last}, "
                             f"not the EOS id {eos_id} ({eos_name}) of the tokenizer; give the tokenizer it was made "
                             f"with, or --data.eos_token (documents must end with it, e.g. Megatron's --append-eod)")
 
