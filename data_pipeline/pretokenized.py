@@ -156,9 +156,9 @@ def _megatron_shard(prefix: str, want: str) -> Shard:
                         f"Megatron-Core's IndexedDatasetBuilder")
     size = os.path.getsize(prefix + ".bin")
     if size != n * dtype.itemsize:
-        raise DataError(f"'{prefix}.bin' is {size:,} bytes but its .idx says {n:,} {dtype.name} tokens "
-                        f"({n * dtype.itemsize:,} bytes): {'truncated' if size < n * dtype.itemsize else 'longer'}; "
-                        f"copy the pair again")
+        raise DataError(f"'{prefix}.bin' holds {size:,} bytes but its .idx says {n * dtype.itemsize:,} ({n:,} "
+                        f"{dtype.name} tokens): {'truncated' if size < n * dtype.itemsize else 'longer'}; copy the "
+                        f"pair again")
     if len(docs) < 1 or docs[-1] != len(lengths):
         raise DataError(f"'{prefix}.idx': its document indices do not end at its {len(lengths)} sequences; the "
                         f"index is damaged")
