@@ -10,6 +10,8 @@ import os
 import shutil
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import data
@@ -19,6 +21,7 @@ from data import DataConfig, DataError, SourceConfig
 from data_pipeline import pretokenized, tokenizer
 from model import ModelArgs
 from pretok_writers import write_datatrove, write_megatron, write_numpy
+from test_data import _prepare_on_ranks
 
 EOS = 2
 
@@ -272,8 +275,6 @@ def test_text_sources_keep_their_settings_and_key():
 def test_a_tokens_dataset_is_materialised_once_with_an_eos_after_each_row(raw_corpus, tmp_path):
     """data.format tokens: parquet and arrow files with an input_ids column; rows already ending with the EOS keep
     theirs, the others get one; the stream is the rows' ids in file order."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     _, out, _ = raw_corpus
     docs = _docs(30, 7)
     rows = [d.tolist() if i % 2 else d[:-1].tolist() for i, d in enumerate(docs)]  # half without their EOS
@@ -434,3 +435,19 @@ weights = {{ meg = 0.8, text = 0.2 }}
     whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
     assert sorted(split) == [1, 2, 3, 4]
     assert all(abs(split[s] - whole[s]) <= 1e-4 * abs(whole[s]) for s in whole), (whole, split)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_tokens_dataset_copied_by_several_ranks_is_the_one_rank_stream_byte_for_byte(raw_corpus, tmp_path, world):
+    _, out, _ = raw_corpus
+    docs = _docs(40, 10)
+    (tmp_path / "ds").mkdir()
+    for k in range(5):  # 5 files over `world` ranks: some ranks copy two
+        pq.write_table(pa.table({"input_ids": [d.tolist() for d in docs[k::5]]}), tmp_path / "ds" / f"{k}.parquet")
+    cfg = DataConfig(dataset=str(tmp_path / "ds"), format="tokens", tokenizer=os.path.join(out, "tokenizer.json"))
+    prepare.prepare(cfg, str(tmp_path / "one"))
+    metas = _prepare_on_ranks(cfg, str(tmp_path / "many"), world)
+    assert not any(isinstance(m, Exception) for m in metas), metas
+    one, many = (data.read_meta(str(tmp_path / d))["sources"]["default"] for d in ("one", "many"))
+    assert one["work_units"] == 5 and one == many
+    assert (tmp_path / "one" / one["file"]).read_bytes() == (tmp_path / "many" / many["file"]).read_bytes()
