@@ -319,7 +319,7 @@ class SourceTokens:
             for path, dtype, n in record["shards"]:
                 size = os.path.getsize(path) if os.path.isfile(path) else -1
                 if size != np.dtype(dtype).itemsize * n:
-                    raise DataError(f"data.sources[{name}]: '{path}' holds {max(size, 0):,} bytes, not the {n:,} "
+                    raise DataError(f"source '{name}': '{path}' holds {max(size, 0):,} bytes, not the {n:,} "
                                     f"{dtype} tokens it had when the run started; the corpus changed under the run: "
                                     f"restore it, or start a new --run_dir")
         else:

@@ -33,9 +33,6 @@ import numpy as np
 from data import DataError
 from data_pipeline.streams import TokenStream
 
-PRETOKENIZED = ("megatron", "numpy", "datatrove")
-"""Formats read in place (``tokens`` is materialised once by prepare.py: arrow is not a flat stream)."""
-
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_VERSION = 1
 MEGATRON_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
@@ -204,7 +201,7 @@ def default_dtype(vocab_size: int) -> str:
 
 
 def open_shards(src, vocab_size: int) -> list[Shard]:
-    """Every shard of a pre-tokenized source src (SourceConfig, format in PRETOKENIZED), sorted by path.
+    """Every shard of a pre-tokenized source src (SourceConfig of format megatron, numpy or datatrove), sorted by path.
 
     vocab_size: the tokenizer's, for the default dtype of numpy/datatrove files. Reads only
     indexes and file sizes. Raises DataError for bad input (module docstring of each check).
