@@ -245,11 +245,13 @@ def parse_config(argv: list[str] | None = None, description: str = "", require_f
     return cli.parse_args(Config, argv, presets={"model": PRESETS}, description=description)
 
 
-def check_tokenizer(path: str, model: ModelArgs, vocab_size: int | None = None, eos_token: str = "") -> None:
+def check_tokenizer(path: str, model: ModelArgs, vocab_size: int | None = None, eos_token: str = "",
+                    bos_token: str = "") -> None:
     """Raise SetupError (or DataError for an unreadable file) if the tokenizer.json at path does not fit
-    model.vocab_size, or, with model.document_mask, its EOS id (data.eos_token, else its own:
-    tokenizer.separator_ids) is not model.eot_id (documents would not be found). vocab_size: its
-    size when known (a prepared corpus' meta.json); the file is then read only for the EOS check."""
+    model.vocab_size, has no document separator (data.eos_token or data.bos_token not in it, or no EOS
+    of its own: tokenizer.separator_ids), or, with model.document_mask, its EOS id is not model.eot_id
+    (documents would not be found). vocab_size: its size when known (a prepared corpus' meta.json);
+    the file is then read only for the EOS check."""
     tok = load_tokenizer(path) if vocab_size is None or model.document_mask else None
     vocab_size = tok.get_vocab_size() if vocab_size is None else vocab_size
     if vocab_size > model.vocab_size:
@@ -257,9 +259,12 @@ def check_tokenizer(path: str, model: ModelArgs, vocab_size: int | None = None, 
             f"tokenizer '{path}' has {vocab_size} tokens but model.vocab_size is {model.vocab_size}; "
             f"raise model.vocab_size or use a smaller tokenizer (data.tokenizer_vocab_size)"
         )
+    if tok is None:
+        return
+    # here, on every rank, rather than in preparation, which names its temporary copy and runs between collectives
+    eot, _ = separator_ids(path, eos_token, bos_token, tok=tok)
     if not model.document_mask:
         return
-    eot, _ = separator_ids(path, eos_token, tok=tok)
     if eot != model.eot_id:
         raise SetupError(f"tokenizer '{path}' has {eos_name(path, tok, eos_token)} at id {eot} but model.eot_id is "
                          f"{model.eot_id}; set --model.eot_id {eot} so document_mask finds the documents")
@@ -368,7 +373,7 @@ def validate(cfg: Config, world_size: int) -> None:
     if not d.prepared:  # with data.prepared the sources and the tokenizer file need not be on this node
         check_source(d)
         if d.tokenizer:
-            check_tokenizer(d.tokenizer, cfg.model, eos_token=d.eos_token)
+            check_tokenizer(d.tokenizer, cfg.model, eos_token=d.eos_token, bos_token=d.bos_token)
         elif d.tokenizer_vocab_size > cfg.model.vocab_size:
             raise SetupError(
                 f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
@@ -389,7 +394,7 @@ def validate(cfg: Config, world_size: int) -> None:
         return
     prepared = RunDir(cfg.run_dir).tokenizer
     if os.path.isfile(prepared):  # a run directory prepared before: its tokenizer is the run's
-        check_tokenizer(prepared, cfg.model, eos_token=d.eos_token)
+        check_tokenizer(prepared, cfg.model, eos_token=d.eos_token, bos_token=d.bos_token)
 
 
 def check_run_dir(run_dir: str) -> None:

@@ -82,7 +82,7 @@ def throughput(root: str, tok: str, n_tokens: int, seq_len: int, micro: int, sec
     out = {}
     for fmt, spec in (("numpy", "part-0-00000.npy"), ("megatron", "corpus_text_document"), ("datatrove", "00000.ds")):
         cfg = DataConfig(dataset=os.path.join(files, spec), format=fmt, tokenizer=tok, seq_len=seq_len,
-                         val_fraction=0.0)
+                         val_fraction=0.0, token_dtype="uint16" if fmt == "numpy" else "")
         data_dir = os.path.join(root, f"run_{fmt}", "data")
         prepare.prepare(cfg, data_dir)
         out[fmt] = read_rate(cfg, data_dir, micro, seconds)
@@ -117,7 +117,8 @@ def startup(root: str, tok: str, counts: list[int]) -> dict:
             write_megatron(os.path.join(folder, f"s{i:05d}_text_document"), part)
             write_numpy(os.path.join(folder, f"s{i:05d}.npy"), part)
         for fmt, spec in (("megatron", folder), ("numpy", os.path.join(folder, "*.npy"))):
-            cfg = DataConfig(dataset=spec, format=fmt, tokenizer=tok, seq_len=64, val_fraction=0.0)
+            cfg = DataConfig(dataset=spec, format=fmt, tokenizer=tok, seq_len=64, val_fraction=0.0,
+                             token_dtype="uint16" if fmt == "numpy" else "")
             data_dir = os.path.join(root, f"run_{fmt}_{n}", "data")
             t0 = time.perf_counter()
             check_pretokenized(cfg, model, os.path.dirname(data_dir))

@@ -10,8 +10,8 @@ once by prepare.py instead (copy_rows): arrow rows are not a flat stream.
 | format      | token files                  | index                                   | dtype               |
 |-------------|------------------------------|-----------------------------------------|---------------------|
 | ``megatron`` | ``PREFIX.bin``               | ``PREFIX.idx`` (Megatron-Core MMIDIDX)   | from the index      |
-| ``numpy``    | ``*.npy`` raw memmaps (OLMo)  | none: documents end with the EOS id      | ``data.token_dtype`` |
-| ``datatrove``| ``*.ds`` (DocumentTokenizer) | ``*.ds.index``: uint64 document ends    | ``data.token_dtype`` |
+| ``numpy``    | ``*.npy`` raw memmaps (OLMo)  | none: documents end with the EOS id      | ``data.token_dtype`` (required) |
+| ``datatrove``| ``*.ds`` (DocumentTokenizer) | ``*.ds.index``: uint64 document ends    | ``data.token_dtype`` or by vocab |
 
 A source is the logical concatenation of its shards in sorted path order, the same "flat
 stream, every document followed by the EOS id" that prepare.py writes for raw text, so it is
@@ -30,7 +30,7 @@ from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
-from data import DataError
+from data import DataError, token_dtype
 from data_pipeline.streams import TokenStream
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -194,27 +194,29 @@ def _datatrove_shard(path: str, dtype: np.dtype) -> Shard:
     return Shard(path, dtype, n, ends, index)
 
 
-def default_dtype(vocab_size: int) -> str:
-    """The token dtype a file of a vocab_size tokenizer has when data.token_dtype is empty: uint16 up to 65,536 ids,
-    else uint32 (OLMo-core's and prepare.py's rule)."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
 def open_shards(src, vocab_size: int) -> list[Shard]:
     """Every shard of a pre-tokenized source src (SourceConfig of format megatron, numpy or datatrove), sorted by path.
 
-    vocab_size: the tokenizer's, for the default dtype of numpy/datatrove files. Reads only
-    indexes and file sizes. Raises DataError for bad input (module docstring of each check).
+    vocab_size: the tokenizer's, for the default dtype of datatrove files (numpy needs data.token_dtype).
+    Reads only indexes and file sizes. Raises DataError for bad input (the message of each check).
     """
     want = src.token_dtype or ""
     if src.format == "megatron":
         shards = [_megatron_shard(p, want) for p in megatron_prefixes(src)]
+    elif src.format == "numpy":
+        if not want:  # a wrong guess reads uint32 files as pairs of uint16 ids, refused later for the wrong reason
+            raise DataError(f"{src.field('token_dtype')}: a numpy source's files do not record their dtype; give "
+                            f"--data.token_dtype uint16 or uint32, the one they were written with")
+        shards = [_numpy_shard(p, np.dtype(want)) for p in _expand(src, (".npy",))]
     else:
-        dtype = np.dtype(want or default_dtype(vocab_size))
-        if src.format == "numpy":
-            shards = [_numpy_shard(p, dtype) for p in _expand(src, (".npy",))]
-        else:
-            shards = [_datatrove_shard(p, dtype) for p in _expand(src, (".ds",)) if not p.endswith(".index")]
+        dtype = np.dtype(want or token_dtype(vocab_size))  # prepare.py's rule (datatrove writes uint16)
+        # DocumentTokenizer leaves FILE.ds.index, .ds.loss and .ds.metadata beside each FILE.ds: a glob of the
+        # folder matches them too, and only the .ds files hold tokens
+        files = [p for p in _expand(src, (".ds",)) if p.endswith(".ds")]
+        if not files:
+            raise DataError(f"{_field(src)}: '{src.dataset}' matches no datatrove .ds file; give a .ds file, a "
+                            f"folder or a glob of them")
+        shards = [_datatrove_shard(p, dtype) for p in files]
     for s in shards:
         if s.n_tokens == 0:
             raise DataError(f"{_field(src)}: shard '{s.path}' holds no token; remove it or regenerate it")

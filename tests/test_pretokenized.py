@@ -16,7 +16,8 @@ import pytest
 
 import data
 import prepare
-from config import Config, check_pretokenized
+from config import Config, check_pretokenized, check_tokenizer
+from core.errors import UserError
 from data import DataConfig, DataError, SourceConfig
 from data_pipeline import pretokenized, tokenizer
 from model import ModelArgs
@@ -128,7 +129,8 @@ def raw_corpus(tmp_path_factory):
 def test_the_same_tokens_give_the_same_windows_as_raw_text(raw_corpus, tmp_path, fmt, spec):
     cfg, out, pre = raw_corpus
     tok = os.path.join(out, "tokenizer.json")
-    pcfg = DataConfig(dataset=str(pre / spec), format=fmt, tokenizer=tok, seq_len=16, val_fraction=0.1)
+    pcfg = DataConfig(dataset=str(pre / spec), format=fmt, tokenizer=tok, seq_len=16, val_fraction=0.1,
+                      token_dtype="uint16" if fmt == "numpy" else "")
     check_pretokenized(pcfg, ModelArgs(vocab_size=300, dim=16, n_layers=1, n_heads=2, n_kv_heads=2), str(tmp_path))
     prepare.prepare(pcfg, str(tmp_path / "data"))
     assert not os.listdir(tmp_path / "data" / "sources") if os.path.isdir(tmp_path / "data" / "sources") else True
@@ -167,7 +169,7 @@ def _model(vocab=300):
 
 
 def _check(src_cfg: DataConfig, tmp_path, vocab=300):
-    with pytest.raises((DataError, Exception)) as e:
+    with pytest.raises(UserError) as e:  # DataError or SetupError: a crash is not an answer
         check_pretokenized(src_cfg, _model(vocab), str(tmp_path / "run"))
     msg = str(e.value)
     assert "\n" not in msg
@@ -213,6 +215,36 @@ def test_bad_pretokenized_input_is_one_line_naming_the_file(raw_corpus, tmp_path
     assert "x.ds.index" in _check(DataConfig(dataset=str(tmp_path / "x.ds"), format="datatrove", tokenizer=tok),
                                   tmp_path)
     assert "give --data.tokenizer" in _check(DataConfig(dataset=str(tmp_path / "x.ds"), format="datatrove"), tmp_path)
+    write_numpy(str(tmp_path / "n.npy"), docs)
+    assert "data.token_dtype: a numpy source's files do not record their dtype" in _check(
+        DataConfig(dataset=str(tmp_path / "n.npy"), format="numpy", tokenizer=tok), tmp_path)
+
+
+def test_a_datatrove_folder_reads_only_its_token_files(tmp_path):
+    """DocumentTokenizer leaves .ds.index, .ds.loss and .ds.metadata beside each .ds: a glob of the folder gives the
+    writer's documents, not those files as shards."""
+    docs = _docs(12, 11)
+    write_datatrove(str(tmp_path / "00000_unshuffled.ds"), docs)
+    (tmp_path / "00000_unshuffled.ds.metadata").write_text("gpt2\n{}\n".format(sum(len(d) for d in docs)))
+    (tmp_path / "00000_unshuffled.ds.loss").write_bytes(b"\x01" * sum(len(d) for d in docs))
+    for spec in (tmp_path, tmp_path / "*"):
+        shards = pretokenized.open_shards(_src("datatrove", spec), 300)
+        assert [os.path.basename(s.path) for s in shards] == ["00000_unshuffled.ds"]
+        assert _split(np.fromfile(shards[0].path, np.uint16), shards[0].doc_ends) == [d.tolist() for d in docs]
+
+
+def test_a_tokenizer_without_a_separator_is_refused_at_start_naming_the_users_file(tmp_path):
+    """Raw text too: a tokenizer with no [EOT] and no tokenizer_config.json, or a data.eos_token / data.bos_token it
+    lacks, is refused by the start-up check (every rank, no collective), naming the given file."""
+    path = llama3_like_tokenizer(str(tmp_path / "tok"))
+    model = _model(400)
+    check_tokenizer(path, model, bos_token="<|begin_of_text|>")
+    with pytest.raises(DataError, match="data.bos_token: .* has no token '<s>'"):
+        check_tokenizer(path, model, bos_token="<s>")
+    os.remove(tmp_path / "tok" / "tokenizer_config.json")
+    with pytest.raises(DataError, match=f"'{path}' has no \\[EOT\\].*--data.eos_token"):
+        check_tokenizer(path, model)
+    check_tokenizer(path, model, eos_token="<|end_of_text|>")
 
 
 def test_a_corpus_changed_under_a_run_is_refused(raw_corpus, tmp_path):
