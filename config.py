@@ -24,7 +24,7 @@ from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, rea
 from core import cli
 from core.errors import ConfigError, SetupError
 from data import DataConfig, read_meta
-from data_pipeline import datacache, mixture, pretokenized
+from data_pipeline import datacache, mixture, pretokenized, token_rows
 from data_pipeline.sources import check_source
 from data_pipeline.tokenizer import eos_name, load_tokenizer, separator_ids
 from evaluation.downstream import EvalConfig, check_tasks
@@ -291,7 +291,7 @@ def check_pretokenized(d: DataConfig, model: ModelArgs, run_dir: str) -> None:
     records = read_meta(RunDir(run_dir).data)["sources"] if os.path.isfile(meta) else {}
     for src in srcs:
         if src.format == "tokens":  # materialised by preparation, which checks its ids; here its files and column
-            pretokenized.token_files(src)
+            token_rows.token_files(src)
             continue
         shards = pretokenized.check_source(src, tok.get_vocab_size(), model.vocab_size, eos,
                                            eos_name(path, tok, d.eos_token))

@@ -33,7 +33,7 @@ from config import check_run_dir, parse_config
 from core.cli import exit_command
 from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
-from data_pipeline import pretokenized
+from data_pipeline import pretokenized, token_rows
 from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
 from data_pipeline.sources import check_source, files_record, iter_documents, source_changed, source_units, txt_notice
@@ -73,8 +73,8 @@ def _rank_units(cfg: SourceConfig, rank: int, world: int) -> tuple[int, Iterator
     rank reads those N (a bounded read) and keeps its blocks. Otherwise the units are the
     source's own (source_units) and a rank reads only its own.
     """
-    if cfg.format == "tokens":  # token ids already: one unit per file, copied by pretokenized.copy_rows
-        return pretokenized.rank_units(cfg, rank, world)
+    if cfg.format == "tokens":  # token ids already: one unit per file, copied by token_rows.copy_rows
+        return token_rows.rank_units(cfg, rank, world)
     if not cfg.max_documents:
         units = source_units(cfg)
         return len(units), ((u, units[u]()) for u in range(rank, len(units), world))
@@ -188,7 +188,7 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
         counts = []
         for u, texts in units:
             with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
-                counts.append((u, *(pretokenized.copy_rows(texts, src.token_column, out, separators[0], meta["dtype"],
+                counts.append((u, *(token_rows.copy_rows(texts, src.token_column, out, separators[0], meta["dtype"],
                                                            tokenizer.get_vocab_size()) if src.format == "tokens" else
                                     tokenize_documents(texts, tokenizer, out, meta["dtype"], separators=separators))))
             progress.unit_done(*counts[-1][1:])
@@ -260,7 +260,7 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         if src.pretokenized and src.format != "tokens":  # read in place: recorded, never copied
             changed = pretokenized.record_in_place(src, meta, out_dir) or changed
             continue
-        files[src.name] = pretokenized.files_record(src) if src.pretokenized else files_record(src)
+        files[src.name] = token_rows.files_record(src) if src.pretokenized else files_record(src)
         if record is not None and record.get("files") and files[src.name] and \
                 record["files"]["digest"] != files[src.name]["digest"]:
             raise source_changed(src, out_dir, record["files"], files[src.name])

@@ -5,7 +5,7 @@ Megatron-Core's indexed_dataset imports megatron.core whole, 6.5 s here, and its
 requires a torch that pip would resolve against ours; datatrove brings its pipeline stack):
 only the index files are parsed at start, and the token files are mapped with
 ``numpy.memmap``, never copied. The ``tokens`` format (a parquet/arrow column of ids) is copied
-once by prepare.py instead (copy_rows): arrow rows are not a flat stream.
+once by prepare.py instead (token_rows.py): arrow rows are not a flat stream.
 
 | format      | token files                  | index                                   | dtype               |
 |-------------|------------------------------|-----------------------------------------|---------------------|
@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import struct
-from typing import BinaryIO, Callable, Iterator
+from typing import Callable
 
 import numpy as np
 
@@ -62,8 +62,8 @@ def _field(src) -> str:
     return src.field("dataset")
 
 
-def _expand(src, suffixes: tuple[str, ...]) -> list[str]:
-    """The files of src.dataset: a file, a folder (its files ending in one of suffixes) or a glob; sorted.
+def expand_files(src, suffixes: tuple[str, ...]) -> list[str]:
+    """The files of src.dataset: a file, a folder (its files ending in one of suffixes) or a glob; sorted, absolute.
 
     Raises DataError naming the field when nothing matches.
     """
@@ -86,7 +86,7 @@ def megatron_prefixes(src) -> list[str]:
 
     Raises DataError for nothing found, or a .bin without its .idx (and the other way round).
     """
-    files = _expand(src, (".idx", ".bin"))
+    files = expand_files(src, (".idx", ".bin"))
     prefixes = sorted({f[:-4] for f in files if f.endswith((".bin", ".idx"))})
     if not prefixes:
         raise DataError(f"{_field(src)}: '{src.dataset}' matches no Megatron .bin/.idx pair; give the path without "
@@ -207,12 +207,12 @@ def open_shards(src, vocab_size: int) -> list[Shard]:
         if not want:  # a wrong guess reads uint32 files as pairs of uint16 ids, refused later for the wrong reason
             raise DataError(f"{src.field('token_dtype')}: a numpy source's files do not record their dtype; give "
                             f"--data.token_dtype uint16 or uint32, the one they were written with")
-        shards = [_numpy_shard(p, np.dtype(want)) for p in _expand(src, (".npy",))]
+        shards = [_numpy_shard(p, np.dtype(want)) for p in expand_files(src, (".npy",))]
     else:
         dtype = np.dtype(want or token_dtype(vocab_size))  # prepare.py's rule (datatrove writes uint16)
         # DocumentTokenizer leaves FILE.ds.index, .ds.loss and .ds.metadata beside each FILE.ds: a glob of the
         # folder matches them too, and only the .ds files hold tokens
-        files = [p for p in _expand(src, (".ds",)) if p.endswith(".ds")]
+        files = [p for p in expand_files(src, (".ds",)) if p.endswith(".ds")]
         if not files:
             raise DataError(f"{_field(src)}: '{src.dataset}' matches no datatrove .ds file; give a .ds file, a "
                             f"folder or a glob of them")
@@ -324,87 +324,6 @@ def record_in_place(src, meta: dict, out_dir: str) -> bool:
     print(f"[data] source '{src.name}' ({src.dataset}) read in place: {record['format']}, "
           f"{len(record['shards']):,} shard(s), {record['n_tokens']:,} {record['dtype']} tokens", flush=True)
     return True
-
-
-TOKEN_FILES = (".parquet", ".arrow")
-"""Files of a 'tokens' source: parquet (any writer), or arrow IPC files/streams (datasets' save_to_disk shards)."""
-
-
-def token_files(src) -> list[str]:
-    """The local parquet/arrow files of a 'tokens' source (a file, a folder, a glob), sorted; DataError if none, or if
-    one lacks data.token_column (read from the schema, no rows)."""
-    files = [f for f in _expand(src, TOKEN_FILES) if f.endswith(TOKEN_FILES)]
-    if not files:
-        raise DataError(f"{_field(src)}: '{src.dataset}' holds no .parquet or .arrow file; a 'tokens' source is a "
-                        f"local dataset with a token-id column (download a hub dataset first)")
-    for f in files:
-        names = _schema(f).names
-        if src.token_column not in names:
-            raise DataError(f"{src.field('token_column')}: '{f}' has no column {src.token_column!r} (it has "
-                            f"{', '.join(names[:8])}); name the column of the token ids")
-    return files
-
-
-def _schema(path: str):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    if path.endswith(".parquet"):
-        return pq.read_schema(path)
-    try:
-        return pa.ipc.open_file(path).schema
-    except pa.ArrowInvalid:
-        return pa.ipc.open_stream(path).schema
-
-
-def _batches(path: str, column: str):
-    """The token-id column of one file, record batch by record batch (bounded memory)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    if path.endswith(".parquet"):
-        yield from (b.column(0) for b in pq.ParquetFile(path).iter_batches(columns=[column], batch_size=1024))
-        return
-    try:
-        reader = pa.ipc.open_file(path)
-        yield from (reader.get_batch(i).column(column) for i in range(reader.num_record_batches))
-    except pa.ArrowInvalid:
-        yield from (b.column(column) for b in pa.ipc.open_stream(path))
-
-
-def copy_rows(path: str, column: str, out: BinaryIO, eos_id: int, dtype: str, vocab_size: int) -> tuple[int, int]:
-    """Append one file's rows of token ids to out as a flat dtype stream, eos_id after each row that does not already
-    end with it (rows are documents). Returns (n_tokens, n_documents); DataError for an id >= vocab_size (the
-    tokenizer's) or a row that is not a list of integers."""
-    n_tokens = n_docs = 0
-    for column_batch in _batches(path, column):
-        rows: Iterator = column_batch.to_pylist()
-        parts = []
-        for ids in rows:
-            if not ids:
-                continue
-            parts.append(np.asarray(ids if ids[-1] == eos_id else [*ids, eos_id], dtype=np.int64))
-        if not parts:
-            continue
-        stream = np.concatenate(parts)
-        if stream.max() >= vocab_size or stream.min() < 0:
-            raise DataError(f"'{path}': column {column!r} holds token id {int(stream.max())} outside the tokenizer's "
-                            f"{vocab_size} ids; give the tokenizer it was made with")
-        out.write(stream.astype(dtype).tobytes())
-        n_tokens, n_docs = n_tokens + stream.size, n_docs + len(parts)
-    return n_tokens, n_docs
-
-
-def files_record(src) -> dict:
-    """What a 'tokens' source's materialised stream was made from: {"n", "bytes", "digest"} of its files' paths and
-    sizes (as sources.files_record for text)."""
-    listing = [(f, os.path.getsize(f)) for f in token_files(src)]
-    return {"n": len(listing), "bytes": sum(n for _, n in listing),
-            "digest": hashlib.sha1(json.dumps(listing).encode()).hexdigest()}
-
-
-def rank_units(src, rank: int, world: int) -> tuple[int, Iterator[tuple[int, str]]]:
-    """prepare.py's work units of a 'tokens' source: (number of files, [(unit, file path)] of rank's share, u % world)."""
-    files = token_files(src)
-    return len(files), ((u, files[u]) for u in range(rank, len(files), world))
 
 
 MEGATRON_CODES = {"uint16": 8, "uint32": 4}
