@@ -340,10 +340,11 @@ class SourceTokens:
     def sample(self, index: int) -> np.ndarray:
         """Window index of the stream (train: 0 <= index < n_train; validation after it) as int64, seq_len + 1 tokens."""
         w = window(self.tokens, index, self.seq_len).astype(np.int64)
-        if self.vocab_size is not None and w.size and int(w.max()) >= self.vocab_size:
-            raise DataError(f"source '{self.name}': window {index} holds token id {int(w.max())} >= model.vocab_size "
-                            f"{self.vocab_size}; the corpus was tokenized with a larger vocabulary: raise "
-                            f"model.vocab_size or give the tokenizer it was made with")
+        if self.vocab_size is not None and w.size and (int(w.max()) >= self.vocab_size or int(w.min()) < 0):
+            bad = int(w.max()) if int(w.max()) >= self.vocab_size else int(w.min())
+            raise DataError(f"source '{self.name}': window {index} holds token id {bad}, outside the model's "
+                            f"{self.vocab_size} ids (model.vocab_size); the corpus was tokenized with another "
+                            f"vocabulary: raise model.vocab_size or give the tokenizer it was made with")
         return w
 
 

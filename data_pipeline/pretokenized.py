@@ -242,15 +242,16 @@ def _blocks(n: int) -> list[tuple[int, int]]:
 
 
 def check_ids(stream: TokenStream, vocab_size: int, where: Callable[[int], str]) -> None:
-    """DataError when a token id of stream is >= vocab_size (model.vocab_size): the whole stream up to
-    FULL_SCAN_TOKENS, else a sample (check_window catches the rest when a batch is built)."""
+    """DataError when a token id of stream is outside [0, vocab_size) (model.vocab_size; Megatron's int dtypes can
+    hold negative ids): the whole stream up to FULL_SCAN_TOKENS, else a sample (data.SourceTokens.sample checks
+    every window when a batch is built)."""
     for a, b in _blocks(stream.size):
         block = stream[a:b]
-        if block.size and int(block.max()) >= vocab_size:
-            at = a + int(np.argmax(block >= vocab_size))
-            raise DataError(f"{where(at)} holds token id {int(stream[at:at + 1][0])} >= model.vocab_size "
-                            f"{vocab_size}; it was tokenized with a larger vocabulary: raise model.vocab_size or "
-                            f"give the tokenizer it was made with")
+        if block.size and (int(block.max()) >= vocab_size or int(block.min()) < 0):
+            at = a + int(np.argmax((block >= vocab_size) | (block < 0)))
+            raise DataError(f"{where(at)} holds token id {int(stream[at:at + 1][0])}, outside the model's "
+                            f"{vocab_size} ids (model.vocab_size); it was tokenized with another vocabulary: raise "
+                            f"model.vocab_size or give the tokenizer it was made with")
 
 
 def check_eos(src, shards: list[Shard], eos_id: int, eos_name: str) -> None:

@@ -197,8 +197,13 @@ def test_bad_pretokenized_input_is_one_line_naming_the_file(raw_corpus, tmp_path
     big = [d.copy() for d in docs]
     big[4][0] = 5000
     write_megatron(str(tmp_path / "big"), big)
-    assert "token id 5000 >= model.vocab_size 300" in _check(
+    assert "token id 5000, outside the model's 300 ids" in _check(
         DataConfig(dataset=str(tmp_path / "big"), format="megatron", tokenizer=tok), tmp_path)
+    neg = [d.astype(np.int32) for d in docs]
+    neg[6][0] = -1  # Megatron's int32 files can hold a negative id (a padding value), which no embedding row has
+    write_megatron(str(tmp_path / "neg"), neg, np.int32)
+    assert "token id -1, outside the model's 300 ids" in _check(
+        DataConfig(dataset=str(tmp_path / "neg"), format="megatron", tokenizer=tok), tmp_path)
     noeos = [d[:-1] for d in docs]
     write_megatron(str(tmp_path / "noeos"), noeos)
     assert "not the EOS id 2" in _check(DataConfig(dataset=str(tmp_path / "noeos"), format="megatron", tokenizer=tok),
@@ -338,7 +343,7 @@ def test_the_command_refuses_bad_token_files_in_one_line_and_writes_nothing(raw_
     big = [d.copy() for d in docs]
     big[3][1] = 5000
     write_megatron(str(tmp_path / "big"), big)
-    for prefix, msg in (("short", "truncated"), ("big", "token id 5000 >= model.vocab_size 4096")):
+    for prefix, msg in (("short", "truncated"), ("big", "token id 5000, outside the model's 4096 ids")):
         rd = tmp_path / f"run_{prefix}"
         rc, err = main_in_process(monkeypatch, capsys, "--config", DEBUG, "--run_dir", str(rd), "--data.format",
                                   "megatron", "--data.dataset", str(tmp_path / prefix), "--data.tokenizer", tok)
@@ -483,3 +488,24 @@ def test_a_tokens_dataset_copied_by_several_ranks_is_the_one_rank_stream_byte_fo
     one, many = (data.read_meta(str(tmp_path / d))["sources"]["default"] for d in ("one", "many"))
     assert one["work_units"] == 5 and one == many
     assert (tmp_path / "one" / one["file"]).read_bytes() == (tmp_path / "many" / many["file"]).read_bytes()
+
+
+def test_an_id_the_sampled_scan_misses_is_refused_when_its_window_is_built(raw_corpus, tmp_path, monkeypatch):
+    """A large source is scanned in spread blocks at start; an id between them stops the run when a batch holds it."""
+    _, out, _ = raw_corpus
+    flat = np.concatenate(_docs(60, 12))
+    pos = len(flat) // 2 + int(flat[len(flat) // 2] == EOS)  # not a document end: the EOS check reads those
+    flat[pos] = 5000
+    flat.astype(np.uint16).tofile(tmp_path / "big.npy")
+    monkeypatch.setattr(pretokenized, "FULL_SCAN_TOKENS", 64)
+    monkeypatch.setattr(pretokenized, "SCAN_SAMPLES", 2)
+    monkeypatch.setattr(pretokenized, "SCAN_BLOCK", 16)  # the scan reads the first and the last 16 tokens only
+    cfg = DataConfig(dataset=str(tmp_path / "big.npy"), format="numpy", token_dtype="uint16", seq_len=16,
+                     val_fraction=0.0, tokenizer=os.path.join(out, "tokenizer.json"))
+    check_pretokenized(cfg, _model(), str(tmp_path / "run"))
+    prepare.prepare(cfg, str(tmp_path / "run" / "data"))
+    corpus = data.PackedCorpus(str(tmp_path / "run" / "data"), cfg, 300)
+    good = [i for i in range(corpus.n_train) if not i * 16 <= pos <= i * 16 + 16]
+    assert all(corpus.sample(i).max() < 300 for i in good)
+    with pytest.raises(DataError, match=f"window {pos // 16} holds token id 5000, outside the model's 300 ids"):
+        corpus.sample(pos // 16)
