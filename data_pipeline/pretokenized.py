@@ -209,7 +209,7 @@ def open_shards(src, vocab_size: int) -> list[Shard]:
                             f"--data.token_dtype uint16 or uint32, the one they were written with")
         shards = [_numpy_shard(p, np.dtype(want)) for p in expand_files(src, (".npy",))]
     else:
-        dtype = np.dtype(want or token_dtype(vocab_size))  # prepare.py's rule (datatrove writes uint16)
+        dtype = np.dtype(want or token_dtype(vocab_size))  # DocumentTokenizer's token_size rule (datatrove 0.10)
         # DocumentTokenizer leaves FILE.ds.index, .ds.loss and .ds.metadata beside each FILE.ds: a glob of the
         # folder matches them too, and only the .ds files hold tokens
         files = [p for p in expand_files(src, (".ds",)) if p.endswith(".ds")]

@@ -509,3 +509,24 @@ def test_an_id_the_sampled_scan_misses_is_refused_when_its_window_is_built(raw_c
     assert all(corpus.sample(i).max() < 300 for i in good)
     with pytest.raises(DataError, match=f"window {pos // 16} holds token id 5000, outside the model's 300 ids"):
         corpus.sample(pos // 16)
+
+
+def test_datatroves_own_document_tokenizer_output_is_read_back(tmp_path):
+    """datatrove's DocumentTokenizer (when importable: `pip install --no-deps datatrove loguru humanize`) writes a
+    folder (.ds, .ds.index, .ds.metadata) that the reader gives back document by document: the tokenizer's ids of
+    each text, then its EOS."""
+    pytest.importorskip("datatrove.pipeline.tokens.tokenizer")
+    from datatrove.data import Document
+    from datatrove.pipeline.tokens.tokenizer import DocumentTokenizer
+    path = llama3_like_tokenizer(str(tmp_path / "tok"))
+    texts = [f"def f{i}(x): return x * {i}\n" * (1 + i % 5) for i in range(40)]
+    step = DocumentTokenizer(output_folder=str(tmp_path / "out"), tokenizer_name_or_path=path,
+                             eos_token="<|end_of_text|>", shuffle_documents=False)
+    for _ in step.run(iter([Document(text=t, id=str(i)) for i, t in enumerate(texts)]), rank=0, world_size=1) or ():
+        pass
+    tok = tokenizer.load_tokenizer(path)
+    want = [tok.encode(t, add_special_tokens=False).ids + [1] for t in texts]
+    for spec in (tmp_path / "out", tmp_path / "out" / "*"):
+        shards = pretokenized.open_shards(_src("datatrove", spec), tok.get_vocab_size())
+        assert len(shards) == 1
+        assert _split(np.fromfile(shards[0].path, shards[0].dtype), shards[0].doc_ends) == want
