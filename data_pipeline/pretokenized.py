@@ -156,9 +156,9 @@ def _megatron_shard(prefix: str, want: str) -> Shard:
         raise DataError(f"'{prefix}.bin' holds {size:,} bytes but its .idx says {n * dtype.itemsize:,} ({n:,} "
                         f"{dtype.name} tokens): {'truncated' if size < n * dtype.itemsize else 'longer'}; copy the "
                         f"pair again")
-    if len(docs) < 1 or docs[-1] != len(lengths):
-        raise DataError(f"'{prefix}.idx': its document indices do not end at its {len(lengths)} sequences; the "
-                        f"index is damaged")
+    if len(docs) < 1 or docs[0] != 0 or docs[-1] != len(lengths) or np.any(np.diff(docs) < 0):
+        raise DataError(f"'{prefix}.idx': its document indices do not run from 0 up to its {len(lengths)} "
+                        f"sequences; the index is damaged")
     ends = np.cumsum(lengths, dtype=np.int64)[docs[1:] - 1] if len(lengths) else np.zeros(0, np.int64)
     return Shard(prefix + ".bin", dtype, n, ends, prefix + ".idx")
 

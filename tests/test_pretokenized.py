@@ -220,6 +220,11 @@ def test_bad_pretokenized_input_is_one_line_naming_the_file(raw_corpus, tmp_path
     assert "x.ds.index" in _check(DataConfig(dataset=str(tmp_path / "x.ds"), format="datatrove", tokenizer=tok),
                                   tmp_path)
     assert "give --data.tokenizer" in _check(DataConfig(dataset=str(tmp_path / "x.ds"), format="datatrove"), tmp_path)
+    c = meg("docidx")
+    raw = bytearray((tmp_path / "docidx.idx").read_bytes())
+    raw[-(len(docs) + 1) * 8:] = np.arange(len(docs) + 1, dtype=np.int64)[::-1].tobytes()  # from n down to 0
+    (tmp_path / "docidx.idx").write_bytes(bytes(raw))
+    assert "document indices do not run from 0 up to its 10 sequences" in _check(c, tmp_path)
     write_numpy(str(tmp_path / "n.npy"), docs)
     assert "data.token_dtype: a numpy source's files do not record their dtype" in _check(
         DataConfig(dataset=str(tmp_path / "n.npy"), format="numpy", tokenizer=tok), tmp_path)
