@@ -23,16 +23,23 @@ TOKEN_FILES = (".parquet", ".arrow")
 
 def token_files(src) -> list[str]:
     """The local parquet/arrow files of a 'tokens' source (a file, a folder, a glob), sorted; DataError if none, or if
-    one lacks data.token_column (read from the schema, no rows)."""
+    one lacks data.token_column or holds something else than lists of integers there (read from the schema, no rows).
+    """
+    import pyarrow as pa
     files = [f for f in expand_files(src, TOKEN_FILES) if f.endswith(TOKEN_FILES)]
     if not files:
         raise DataError(f"{src.field('dataset')}: '{src.dataset}' holds no .parquet or .arrow file; a 'tokens' "
                         f"source is a local dataset with a token-id column (download a hub dataset first)")
     for f in files:
-        names = _schema(f).names
-        if src.token_column not in names:
+        schema = _schema(f)
+        if src.token_column not in schema.names:
             raise DataError(f"{src.field('token_column')}: '{f}' has no column {src.token_column!r} (it has "
-                            f"{', '.join(names[:8])}); name the column of the token ids")
+                            f"{', '.join(schema.names[:8])}); name the column of the token ids")
+        kind = schema.field(src.token_column).type
+        is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+        if not (is_list and pa.types.is_integer(kind.value_type)):  # a text column would fail mid-copy
+            raise DataError(f"{src.field('token_column')}: column {src.token_column!r} of '{f}' holds {kind}, not "
+                            f"lists of integer token ids; name the column of the token ids")
     return files
 
 
@@ -63,8 +70,8 @@ def _batches(path: str, column: str):
 
 def copy_rows(path: str, column: str, out: BinaryIO, eos_id: int, dtype: str, vocab_size: int) -> tuple[int, int]:
     """Append one file's rows of token ids to out as a flat dtype stream, eos_id after each row that does not already
-    end with it (rows are documents). Returns (n_tokens, n_documents); DataError for an id >= vocab_size (the
-    tokenizer's) or a row that is not a list of integers."""
+    end with it (rows are documents; token_files checked that they are lists of integers). Returns (n_tokens,
+    n_documents); DataError for an id outside [0, vocab_size) (the tokenizer's)."""
     n_tokens = n_docs = 0
     for column_batch in _batches(path, column):
         rows: Iterator = column_batch.to_pylist()
@@ -77,7 +84,8 @@ def copy_rows(path: str, column: str, out: BinaryIO, eos_id: int, dtype: str, vo
             continue
         stream = np.concatenate(parts)
         if stream.max() >= vocab_size or stream.min() < 0:
-            raise DataError(f"'{path}': column {column!r} holds token id {int(stream.max())} outside the tokenizer's "
+            bad = int(stream.max()) if stream.max() >= vocab_size else int(stream.min())
+            raise DataError(f"'{path}': column {column!r} holds token id {bad} outside the tokenizer's "
                             f"{vocab_size} ids; give the tokenizer it was made with")
         out.write(stream.astype(dtype).tobytes())
         n_tokens, n_docs = n_tokens + stream.size, n_docs + len(parts)

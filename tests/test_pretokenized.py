@@ -334,6 +334,9 @@ def test_a_tokens_dataset_is_materialised_once_with_an_eos_after_each_row(raw_co
     assert stream.tolist() == np.concatenate(docs).tolist() and meta["n_documents"] == 30
     bad = DataConfig(dataset=str(tmp_path / "ds"), format="tokens", token_column="ids", tokenizer=cfg.tokenizer)
     assert "has no column 'ids'" in _check(bad, tmp_path)
+    wrong = DataConfig(dataset=str(tmp_path / "ds" / "a.parquet"), format="tokens", token_column="text",
+                       tokenizer=cfg.tokenizer)
+    assert "column 'text' of" in _check(wrong, tmp_path) and "not lists of integer token ids" in _check(wrong, tmp_path)
 
 
 def test_the_command_refuses_bad_token_files_in_one_line_and_writes_nothing(raw_corpus, tmp_path, monkeypatch,
