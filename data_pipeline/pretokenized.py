@@ -32,6 +32,7 @@ import numpy as np
 
 from data import DataError, token_dtype
 from data_pipeline.streams import TokenStream
+from storage.fs import is_url
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 MEGATRON_VERSION = 1
@@ -65,8 +66,11 @@ def _field(src) -> str:
 def expand_files(src, suffixes: tuple[str, ...]) -> list[str]:
     """The files of src.dataset: a file, a folder (its files ending in one of suffixes) or a glob; sorted, absolute.
 
-    Raises DataError naming the field when nothing matches.
+    Raises DataError naming the field for a URL (read from local or mounted files only) or when nothing matches.
     """
+    if is_url(src.dataset):  # no ranged reads through fsspec yet: say so rather than "matches no file"
+        raise DataError(f"{_field(src)}: '{src.dataset}' is a URL, and a {src.format} source is read from files on "
+                        f"a filesystem every node sees; mount the bucket (e.g. mountpoint-s3) or copy the files")
     spec = os.path.expanduser(src.dataset)
     if os.path.isdir(spec):
         found = [f for s in suffixes for f in glob.glob(os.path.join(spec, "*" + s))]
