@@ -131,11 +131,13 @@ def params_description(m) -> str:
 def start_line(s: Session, fpt: float) -> str:
     """The one line a run prints when it starts: layout, model, corpus, attention and loss, where it starts from."""
     cfg, mesh = s.cfg, s.mesh
+    # numpy token files do not count their documents (meta.json's -1), so the sum leaves them out
+    uncounted = " (and numpy files' uncounted)" if any(t.n_documents < 0 for t in s.corpus.sources) else ""
     start = (f"resumed from {s.resumed_from} at step {s.train_state.step}" if s.resumed_from else
              f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start")
     return (f"[train] mesh {mesh.describe()} device {s.device.type} {cfg.train.dtype} | "
             f"params {params_description(cfg.model)}{parametrization_note(cfg)} | {fpt / 1e6:.1f} MFLOP/token | "
-            f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
+            f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs{uncounted}, {s.corpus.n_train} train / "
             f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
             + s.runner.describe()
             + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))
