@@ -141,14 +141,10 @@ def write_tokenizer_config(cfg, work: str) -> None:
     data.tokenizer, with data.eos_token and data.bos_token (cfg: the DataConfig) written in when set, so
     evaluation, generation and export find the run's separator beside the run's tokenizer.json
     (separator_ids). None for a tokenizer whose defaults are the run's ([EOT], no tokenizer_config.json)."""
-    beside = os.path.join(os.path.dirname(os.path.abspath(cfg.tokenizer)), TOKENIZER_CONFIG) if cfg.tokenizer else ""
-    beside = beside if beside and os.path.isfile(beside) else ""
-    if not (beside or cfg.eos_token or cfg.bos_token):
+    # read as separator_ids reads it (unreadable: none), so the run keeps the separator it was checked with
+    config = _tokenizer_config(cfg.tokenizer) if cfg.tokenizer else {}
+    if not (config or cfg.eos_token or cfg.bos_token):
         return
-    config = {}
-    if beside:
-        with open(beside, encoding="utf-8") as f:
-            config = json.load(f)
     config.update({k: getattr(cfg, k) for k in ("eos_token", "bos_token") if getattr(cfg, k)})
     config["add_bos_token"] = bool(cfg.bos_token)  # what this run put before every document (separator_ids)
     with open(os.path.join(work, TOKENIZER_CONFIG), "w", encoding="utf-8") as f:
