@@ -128,7 +128,7 @@ class DataConfig:
     txt_documents: TxtDocuments = "file"
     """How a .txt file splits into documents: 'file' (the whole file), 'blank_line' (paragraphs between blank lines) or 'line'."""
     format: Format = "text"
-    """What data.dataset holds: 'text' (raw text, tokenized here), or token ids tokenized elsewhere and read in place: 'megatron' (PREFIX of .bin/.idx, a glob of prefixes or a folder), 'numpy' (OLMo flat token files, a file or glob), 'datatrove' (.ds + .ds.index), 'tokens' (a dataset with data.token_column, materialised once). docs/data.md."""
+    """What data.dataset holds: 'text' (raw text, tokenized here), or token ids tokenized elsewhere and read in place: 'megatron' (PREFIX of .bin/.idx, a glob of prefixes or a folder), 'numpy' (OLMo flat token files, a file or glob, with data.token_dtype), 'datatrove' (.ds + .ds.index), 'tokens' (a dataset with data.token_column, materialised once). docs/data.md."""
     token_dtype: TokenDtype = ""
     """Token dtype of numpy and datatrove files (they do not record it): uint16 or uint32; required for numpy; empty for datatrove: uint16 when the tokenizer has at most 65,536 ids, else uint32. Megatron's index records its own (a different value here is refused)."""
     token_column: str = "input_ids"
