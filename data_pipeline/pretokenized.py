@@ -10,8 +10,8 @@ once by prepare.py instead (token_rows.py): arrow rows are not a flat stream.
 | format      | token files                  | index                                   | dtype               |
 |-------------|------------------------------|-----------------------------------------|---------------------|
 | ``megatron`` | ``PREFIX.bin``               | ``PREFIX.idx`` (Megatron-Core MMIDIDX)   | from the index      |
-| ``numpy``    | ``*.npy`` raw memmaps (OLMo)  | none: documents end with the EOS id      | ``data.token_dtype`` (required) |
-| ``datatrove``| ``*.ds`` (DocumentTokenizer) | ``*.ds.index``: uint64 document ends    | ``data.token_dtype`` or by vocab |
+| ``numpy``    | ``*.npy`` raw memmaps (OLMo)  | none: documents end with the EOS id      | ``data.token_dtype`` |
+| ``datatrove``| ``*.ds`` (DocumentTokenizer) | ``*.ds.index``: uint64 document ends    | ``data.token_dtype``/vocab |
 
 A source is the logical concatenation of its shards in sorted path order, the same "flat
 stream, every document followed by the EOS id" that prepare.py writes for raw text, so it is
@@ -121,14 +121,15 @@ def read_megatron_index(path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, np
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
         if version != MEGATRON_VERSION:
             raise DataError(f"'{path}' is a Megatron index of version {version}; this reader knows version "
-                            f"{MEGATRON_VERSION} (Megatron-Core's)")
+                            f"{MEGATRON_VERSION} (Megatron-Core's): write it again with its IndexedDatasetBuilder")
         if code not in MEGATRON_DTYPES or code in (6, 7):
-            raise DataError(f"'{path}' holds dtype code {code}, not integer token ids (1-5, 8 of Megatron-Core's DType)")
+            raise DataError(f"'{path}' holds dtype code {code}, not integer token ids (1-5, 8 of Megatron-Core's "
+                            f"DType); tokenize into an integer dtype, as preprocess_data.py does")
         body = np.frombuffer(f.read(), dtype=np.uint8)
     need = n_seq * 4 + n_seq * 8 + n_doc * 8
     if body.size < need:
         raise DataError(f"'{path}' is {34 + body.size} bytes, shorter than the {34 + need} its {n_seq} sequences and "
-                        f"{n_doc} document indices need; the index is damaged")
+                        f"{n_doc} document indices need; the index is damaged: copy it again")
     lengths = body[:n_seq * 4].view(np.int32)
     pointers = body[n_seq * 4:n_seq * 12].view(np.int64)
     docs = body[n_seq * 12:n_seq * 12 + n_doc * 8].view(np.int64)
@@ -162,7 +163,7 @@ def _megatron_shard(prefix: str, want: str) -> Shard:
                         f"pair again")
     if len(docs) < 1 or docs[0] != 0 or docs[-1] != len(lengths) or np.any(np.diff(docs) < 0):
         raise DataError(f"'{prefix}.idx': its document indices do not run from 0 up to its {len(lengths)} "
-                        f"sequences; the index is damaged")
+                        f"sequences; the index is damaged: copy it again")
     ends = np.cumsum(lengths, dtype=np.int64)[docs[1:] - 1] if len(lengths) else np.zeros(0, np.int64)
     return Shard(prefix + ".bin", dtype, n, ends, prefix + ".idx")
 

@@ -101,6 +101,7 @@ def files_record(src) -> dict:
 
 
 def rank_units(src, rank: int, world: int) -> tuple[int, Iterator[tuple[int, str]]]:
-    """prepare.py's work units of a 'tokens' source: (number of files, [(unit, file path)] of rank's share, u % world)."""
+    """prepare.py's work units of a 'tokens' source: (number of files, [(unit, file path)] of rank's share: the
+    units u with u % world == rank)."""
     files = token_files(src)
     return len(files), ((u, files[u]) for u in range(rank, len(files), world))

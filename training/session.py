@@ -137,8 +137,8 @@ def start_line(s: Session, fpt: float) -> str:
              f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start")
     return (f"[train] mesh {mesh.describe()} device {s.device.type} {cfg.train.dtype} | "
             f"params {params_description(cfg.model)}{parametrization_note(cfg)} | {fpt / 1e6:.1f} MFLOP/token | "
-            f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs{uncounted}, {s.corpus.n_train} train / "
-            f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
+            f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs{uncounted}, "
+            f"{s.corpus.n_train} train / {s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
             + s.runner.describe()
             + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))
 
