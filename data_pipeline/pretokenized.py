@@ -125,14 +125,16 @@ def read_megatron_index(path: str) -> tuple[np.dtype, np.ndarray, np.ndarray, np
         if code not in MEGATRON_DTYPES or code in (6, 7):
             raise DataError(f"'{path}' holds dtype code {code}, not integer token ids (1-5, 8 of Megatron-Core's "
                             f"DType); tokenize into an integer dtype, as preprocess_data.py does")
-        body = np.frombuffer(f.read(), dtype=np.uint8)
-    need = n_seq * 4 + n_seq * 8 + n_doc * 8
-    if body.size < need:
-        raise DataError(f"'{path}' is {34 + body.size} bytes, shorter than the {34 + need} its {n_seq} sequences and "
+    size, need = os.path.getsize(path), 34 + n_seq * 12 + n_doc * 8
+    if size < need:
+        raise DataError(f"'{path}' is {size} bytes, shorter than the {need} its {n_seq} sequences and "
                         f"{n_doc} document indices need; the index is damaged: copy it again")
-    lengths = body[:n_seq * 4].view(np.int32)
-    pointers = body[n_seq * 4:n_seq * 12].view(np.int64)
-    docs = body[n_seq * 12:n_seq * 12 + n_doc * 8].view(np.int64)
+
+    def part(dtype, offset: int, count: int) -> np.ndarray:  # mapped, as Megatron-Core maps it: an index is GBs
+        return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)) if count else np.zeros(0, dtype)
+
+    lengths, pointers = part(np.int32, 34, n_seq), part(np.int64, 34 + n_seq * 4, n_seq)
+    docs = part(np.int64, 34 + n_seq * 12, n_doc)
     return np.dtype(MEGATRON_DTYPES[code]), lengths, pointers, docs
 
 

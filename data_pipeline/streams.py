@@ -41,10 +41,12 @@ class TokenStream:
         start, stop, _ = key.indices(self.size)
         pieces = []
         i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        if start < stop and stop <= int(self.offsets[i + 1]):  # within one shard: a view of its map, no copy
+            return self._map(i)[start - int(self.offsets[i]):stop - int(self.offsets[i])]
         while start < stop:
             lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-            pieces.append(self._map(i)[start - lo:min(stop, hi) - lo])
+            # a copy: a view would keep its map (and file descriptor) open after OPEN_MAPS evicts it, and a slice
+            # over 10,000 small shards would hold 10,000 descriptors, past a usual limit of 1,024
+            pieces.append(np.array(self._map(i)[start - lo:min(stop, hi) - lo]))
             start, i = min(stop, hi), i + 1
-        if len(pieces) == 1:
-            return pieces[0]
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype=self.dtype)

@@ -104,6 +104,26 @@ def test_a_stream_of_shards_reads_windows_across_shard_boundaries(tmp_path):
             assert stream[a:b].tolist() == flat[a:b].tolist()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts this process' file descriptors (Linux)")
+def test_a_slice_over_many_shards_keeps_at_most_open_maps_files_open(tmp_path, monkeypatch):
+    """Each map holds a file descriptor: a scan block over 10,000 small shards must not hold one per shard (past a
+    usual limit of 1,024 descriptors), only the OPEN_MAPS the stream keeps."""
+    from data_pipeline import streams
+    monkeypatch.setattr(streams, "OPEN_MAPS", 4)
+    parts = [np.full(3, k, np.uint16) for k in range(60)]
+    for k, p in enumerate(parts):
+        p.tofile(tmp_path / f"{k}.npy")
+    stream = streams.TokenStream([[str(tmp_path / f"{k}.npy"), "uint16", 3] for k in range(60)])
+    before, peak, real = len(os.listdir("/proc/self/fd")), [], streams.TokenStream._map
+
+    def counting(self, i):
+        peak.append(len(os.listdir("/proc/self/fd")))
+        return real(self, i)
+    monkeypatch.setattr(streams.TokenStream, "_map", counting)
+    assert stream[1:179].tolist() == np.concatenate(parts)[1:179].tolist()
+    assert max(peak) - before <= 4 + 1, (before, max(peak))
+
+
 @pytest.fixture(scope="module")
 def raw_corpus(tmp_path_factory):
     """A raw-text source prepared here, and its stream written as Megatron, numpy and datatrove files."""
