@@ -23,10 +23,10 @@ import torch
 from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, read_metadata
 from core import cli
 from core.errors import ConfigError, SetupError
-from data import DataConfig
-from data_pipeline import datacache, mixture
+from data import DataConfig, read_meta
+from data_pipeline import datacache, mixture, pretokenized, token_rows
 from data_pipeline.sources import check_source
-from data_pipeline.tokenizer import EOT, load_tokenizer
+from data_pipeline.tokenizer import eos_name, load_tokenizer, separator_ids
 from evaluation.downstream import EvalConfig, check_tasks
 from model import PRESETS, ModelArgs
 from observability.metrics import MetricsConfig, check_metrics
@@ -247,11 +247,13 @@ def parse_config(argv: list[str] | None = None, description: str = "", require_f
     return cli.parse_args(Config, argv, presets={"model": PRESETS}, description=description)
 
 
-def check_tokenizer(path: str, model: ModelArgs, vocab_size: int | None = None) -> None:
+def check_tokenizer(path: str, model: ModelArgs, vocab_size: int | None = None, eos_token: str = "",
+                    bos_token: str = "") -> None:
     """Raise SetupError (or DataError for an unreadable file) if the tokenizer.json at path does not fit
-    model.vocab_size, or, with model.document_mask, its [EOT] id is not model.eot_id (documents would not
-    be found). vocab_size: its size when known (a prepared corpus' meta.json); the file is then read
-    only for the [EOT] check."""
+    model.vocab_size, has no document separator (data.eos_token or data.bos_token not in it, or no EOS
+    of its own: tokenizer.separator_ids), or, with model.document_mask, its EOS id is not model.eot_id
+    (documents would not be found). vocab_size: its size when known (a prepared corpus' meta.json);
+    the file is then read only for the EOS check."""
     tok = load_tokenizer(path) if vocab_size is None or model.document_mask else None
     vocab_size = tok.get_vocab_size() if vocab_size is None else vocab_size
     if vocab_size > model.vocab_size:
@@ -259,12 +261,47 @@ def check_tokenizer(path: str, model: ModelArgs, vocab_size: int | None = None) 
             f"tokenizer '{path}' has {vocab_size} tokens but model.vocab_size is {model.vocab_size}; "
             f"raise model.vocab_size or use a smaller tokenizer (data.tokenizer_vocab_size)"
         )
+    if tok is None:
+        return
+    # here, on every rank, rather than in preparation, which names its temporary copy and runs between collectives
+    eot, _ = separator_ids(path, eos_token, bos_token, tok=tok)
     if not model.document_mask:
         return
-    eot = tok.token_to_id(EOT)
     if eot != model.eot_id:
-        raise SetupError(f"tokenizer '{path}' has {EOT} at id {eot} but model.eot_id is {model.eot_id}; "
-                         f"set --model.eot_id {eot} so document_mask finds the documents")
+        raise SetupError(f"tokenizer '{path}' has {eos_name(path, tok, eos_token)} at id {eot} but model.eot_id is "
+                         f"{model.eot_id}; set --model.eot_id {eot} so document_mask finds the documents")
+
+
+def check_pretokenized(d: DataConfig, model: ModelArgs, run_dir: str) -> None:
+    """The start-up checks of every pre-tokenized source of d (pretokenized.check_source): indexes, sizes, dtypes,
+    ids below model.vocab_size, documents ending with the tokenizer's EOS. Needs data.tokenizer (or the run's own
+    prepared one); raises DataError or SetupError naming the field and the fix. No collective."""
+    srcs = [s for s in d.source_list() if s.pretokenized]
+    if not srcs:
+        return
+    if d.prepared:
+        raise SetupError(f"data.prepared cannot carry {srcs[0].field('format')} {srcs[0].format}: a pre-tokenized "
+                         f"source is read in place; give its files on a filesystem every node sees, without "
+                         f"data.prepared")
+    path = d.tokenizer or RunDir(run_dir).tokenizer  # a resume has the run's own
+    if not os.path.isfile(path):  # a tokenizer trained here on the raw sources could not have made these ids
+        raise SetupError(f"{srcs[0].field('format')} {srcs[0].format}: the source holds token ids, so give "
+                         f"--data.tokenizer, the tokenizer.json it was tokenized with")
+    tok = load_tokenizer(path)
+    eos, _ = separator_ids(path, d.eos_token, d.bos_token, tok)
+    meta = os.path.join(RunDir(run_dir).data, "meta.json")
+    records = read_meta(RunDir(run_dir).data)["sources"] if os.path.isfile(meta) else {}
+    for src in srcs:
+        if src.format == "tokens":  # materialised by preparation, which checks its ids; here its files and column
+            token_rows.token_files(src)
+            continue
+        shards = pretokenized.check_source(src, tok.get_vocab_size(), model.vocab_size, eos,
+                                           eos_name(path, tok, d.eos_token))
+        then = records.get(src.name, {})
+        if "shards" in then and then.get("config") == src.reading():  # a resume: the corpus it started with
+            now = pretokenized.identity(shards)
+            if then["files"]["digest"] != now["digest"]:
+                raise pretokenized.corpus_changed(src, RunDir(run_dir).data, then["files"], now)
 
 
 def check_rollback_reach(t: TrainConfig, ckpt: CheckpointConfig) -> None:
@@ -322,7 +359,7 @@ def validate(cfg: Config, world_size: int) -> None:
     Raises SetupError (or DataError for a source) naming the fields and the fix: world size
     not divisible by parallel.tp, a global batch that does not split over the data-parallel
     ranks and micro-batches, a device that is not there, CPU offload without CUDA, a missing
-    source, a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
+    source, a pre-tokenized source's bad or changed files (check_pretokenized), a tokenizer (data.tokenizer, or the one a run directory was prepared with) larger
     than the model's vocabulary or whose [EOT] id is not model.eot_id under document_mask, an
     unwritable run directory, a local [[eval.tasks]] file that is unreadable or lacks its
     columns or has a gold index out of range; a StorageError for a checkpoint or data URL that
@@ -344,10 +381,11 @@ def validate(cfg: Config, world_size: int) -> None:
         raise SetupError(f"{local_world_size()} processes on this node (LOCAL_WORLD_SIZE) but {torch.cuda.device_count()} "
                          f"visible GPU(s); launch --nproc_per_node={torch.cuda.device_count()} or fewer")
     check_metrics(cfg.metrics, cfg.run_dir)
+    check_pretokenized(d, cfg.model, cfg.run_dir)
     if not d.prepared:  # with data.prepared the sources and the tokenizer file need not be on this node
         check_source(d)
         if d.tokenizer:
-            check_tokenizer(d.tokenizer, cfg.model)
+            check_tokenizer(d.tokenizer, cfg.model, eos_token=d.eos_token, bos_token=d.bos_token)
         elif d.tokenizer_vocab_size > cfg.model.vocab_size:
             raise SetupError(
                 f"data.tokenizer_vocab_size ({d.tokenizer_vocab_size}) is larger than model.vocab_size "
@@ -368,7 +406,7 @@ def validate(cfg: Config, world_size: int) -> None:
         return
     prepared = RunDir(cfg.run_dir).tokenizer
     if os.path.isfile(prepared):  # a run directory prepared before: its tokenizer is the run's
-        check_tokenizer(prepared, cfg.model)
+        check_tokenizer(prepared, cfg.model, eos_token=d.eos_token, bos_token=d.bos_token)
 
 
 def check_run_dir(run_dir: str) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from core.errors import ConfigError, UserError
+from data_pipeline.streams import TokenStream
 
 
 class DataError(UserError):
@@ -33,7 +34,12 @@ DEFAULT_SOURCE = "default"
 """The name of the one source that data.dataset describes when no [[data.sources]] are given."""
 # Reading fields a [[data.sources]] table may set; unset, each takes the [data] field of that name.
 READING_FIELDS = ("dataset_config", "split", "text_column", "max_documents", "decode_errors", "txt_documents")
+FORMAT_FIELDS = ("format", "token_dtype", "token_column")
+"""Fields of a source's format, inherited from [data] like READING_FIELDS; part of its reading settings only when
+format is not 'text' (so a raw-text source keeps the settings, and the key, it had before formats existed)."""
 TxtDocuments = Literal["file", "blank_line", "line"]
+Format = Literal["text", "megatron", "numpy", "datatrove", "tokens"]
+TokenDtype = Literal["", "uint8", "uint16", "uint32", "int32", "int64"]
 
 
 @dataclasses.dataclass
@@ -58,6 +64,12 @@ class SourceConfig:
     """Undecodable bytes in .txt files (unset: data.decode_errors)."""
     txt_documents: TxtDocuments | None = None
     """How a .txt file splits into documents (unset: data.txt_documents)."""
+    format: Format | None = None
+    """What dataset holds: 'text' or token ids tokenized elsewhere ('megatron', 'numpy', 'datatrove', 'tokens'; unset: data.format)."""
+    token_dtype: TokenDtype | None = None
+    """Token dtype of numpy/datatrove files (unset: data.token_dtype)."""
+    token_column: str | None = None
+    """Column of the token ids of a 'tokens' source (unset: data.token_column)."""
 
     def __post_init__(self) -> None:
         if not SOURCE_NAME.match(self.name):
@@ -78,8 +90,15 @@ class SourceConfig:
         return f"data.{name}" if self.name == DEFAULT_SOURCE else f"data.sources[{self.name}].{name}"
 
     def reading(self) -> dict:
-        """The settings that decide the source's documents (and so its tokens, with the tokenizer)."""
-        return {"dataset": self.dataset, **{k: getattr(self, k) for k in READING_FIELDS}}
+        """The settings that decide the source's documents (and so its tokens, with the tokenizer); the
+        FORMAT_FIELDS only for a source that is not raw text."""
+        extra = {k: getattr(self, k) for k in FORMAT_FIELDS} if self.format not in (None, "text") else {}
+        return {"dataset": self.dataset, **{k: getattr(self, k) for k in READING_FIELDS}, **extra}
+
+    @property
+    def pretokenized(self) -> bool:
+        """Whether the source holds token ids (any format but 'text')."""
+        return self.format not in (None, "text")
 
 
 @dataclasses.dataclass
@@ -108,6 +127,18 @@ class DataConfig:
     """Undecodable bytes in .txt files: 'strict' stops with the file and byte offset, 'replace' substitutes U+FFFD."""
     txt_documents: TxtDocuments = "file"
     """How a .txt file splits into documents: 'file' (the whole file), 'blank_line' (paragraphs between blank lines) or 'line'."""
+    format: Format = "text"
+    """What data.dataset holds: 'text' (raw text, tokenized here), or token ids tokenized elsewhere and read in place: 'megatron' (PREFIX of .bin/.idx, a glob of prefixes or a folder), 'numpy' (OLMo flat token files, a file or glob, with data.token_dtype), 'datatrove' (.ds + .ds.index), 'tokens' (a dataset with data.token_column, materialised once). docs/data.md."""
+    token_dtype: TokenDtype = ""
+    """Token dtype of numpy and datatrove files (they do not record it): uint16 or uint32; required for numpy; empty for datatrove: uint16 when the tokenizer has at most 65,536 ids, else uint32. Megatron's index records its own (a different value here is refused)."""
+    token_column: str = "input_ids"
+    """Column of the token ids of a 'tokens' source."""
+    eos_token: str = ""
+    """The document separator put after every document (and expected at the end of every pre-tokenized one); empty: the tokenizer's own EOS (tokenizer_config.json's eos_token beside it, else [EOT])."""
+    bos_token: str = ""
+    """A token put before every raw-text document (Llama 3: '<|begin_of_text|>'); empty: none."""
+    prepared_format: Literal["bin", "megatron"] = "bin"
+    """How preparation leaves each raw source's stream RUN_DIR/data/sources/NAME-KEY.bin: 'bin' (this trainer's flat stream alone) or 'megatron' (with a Megatron-Core MMIDIDX NAME-KEY.idx beside it, so Megatron, NeMo or MaxText read the prefix RUN_DIR/data/sources/NAME-KEY). The tokens are the same either way."""
     prepared: str = ""
     """A prepared data directory to train from (tokenizer.json, meta.json, sources/), local or a URL such as s3://BUCKET/PREFIX (written by prepare.py --data.prepared URL); its meta.json must match these data settings. Each node copies the files it needs into data.cache_dir. Empty: the run prepares RUN_DIR/data itself."""
     cache_dir: str = ""
@@ -185,17 +216,18 @@ class DataConfig:
         Without [[data.sources]]: one source named DEFAULT_SOURCE from data.dataset, weight 1.
         """
         given = self.sources or [SourceConfig(name=DEFAULT_SOURCE, dataset=self.dataset)]
-        return [dataclasses.replace(s, **{k: getattr(self, k) for k in READING_FIELDS if getattr(s, k) is None})
-                for s in given]
+        return [dataclasses.replace(s, **{k: getattr(self, k) for k in READING_FIELDS + FORMAT_FIELDS
+                                           if getattr(s, k) is None}) for s in given]
 
     def prepared_settings(self) -> dict:
         """Every setting that decides the prepared tokens, and nothing else (not weights, stages, seq_len).
 
-        {"tokenizer": {the TOKENIZER_FIELDS}, "sources": [{"name", "dataset", the READING_FIELDS}]}
+        {"tokenizer": {the TOKENIZER_FIELDS, eos_token and bos_token when set}, "sources": [{"name", "dataset", the READING_FIELDS}]}
         in source_list() order: prepare.py keys and checks a data directory by these, and a
         directory prepared with equal ones holds the same tokens.
         """
-        return {"tokenizer": {k: getattr(self, k) for k in TOKENIZER_FIELDS},
+        separators = {k: getattr(self, k) for k in ("eos_token", "bos_token") if getattr(self, k)}
+        return {"tokenizer": {**{k: getattr(self, k) for k in TOKENIZER_FIELDS}, **separators},
                 "sources": [{"name": s.name, **s.reading()} for s in self.source_list()]}
 
     def weight_schedule(self) -> list[tuple[int, list[float]]]:
@@ -269,20 +301,37 @@ def read_meta(out_dir: str) -> dict:
 
 
 class SourceTokens:
-    """One source's token file, memory-mapped, cut into train windows and its held-out validation tail."""
+    """One source's token stream, memory-mapped, cut into train windows and its held-out validation tail.
 
-    def __init__(self, out_dir: str, name: str, record: dict, seq_len: int, val_fraction: float):
-        """Map the file of meta record; raises DataError when it does not hold the tokens the record counts."""
+    A prepared source is one file in the data directory; a pre-tokenized one (its record has
+    "shards", data_pipeline/pretokenized.py) is its shards read in place as one stream, and
+    every window of it is checked against vocab_size (the start-up scan of a large corpus is
+    sampled).
+    """
+
+    def __init__(self, out_dir: str, name: str, record: dict, seq_len: int, val_fraction: float,
+                 vocab_size: int | None = None):
+        """Map the file(s) of meta record; raises DataError when they do not hold the tokens the record counts."""
         self.name, self.seq_len = name, seq_len
-        path = os.path.join(out_dir, record["file"])
-        dtype = np.dtype(record["dtype"])
-        size = os.path.getsize(path) if os.path.isfile(path) else -1
-        if size != dtype.itemsize * record["n_tokens"] or size == 0:
-            raise _damaged(path, out_dir, f"holds {max(size, 0)} bytes, not the {record['n_tokens']} "
-                                          f"{record['dtype']} tokens meta.json counts")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.vocab_size = vocab_size if "shards" in record else None
+        if "shards" in record:
+            self.tokens = TokenStream(record["shards"])
+            for path, dtype, n in record["shards"]:
+                size = os.path.getsize(path) if os.path.isfile(path) else -1
+                if size != np.dtype(dtype).itemsize * n:
+                    raise DataError(f"source '{name}': '{path}' holds {max(size, 0):,} bytes, not the {n:,} "
+                                    f"{dtype} tokens it had when the run started; the corpus changed under the run: "
+                                    f"restore it, or start a new --run_dir")
+        else:
+            path = os.path.join(out_dir, record["file"])
+            dtype = np.dtype(record["dtype"])
+            size = os.path.getsize(path) if os.path.isfile(path) else -1
+            if size != dtype.itemsize * record["n_tokens"] or size == 0:
+                raise _damaged(path, out_dir, f"holds {max(size, 0)} bytes, not the {record['n_tokens']} "
+                                              f"{record['dtype']} tokens meta.json counts")
+            self.tokens = np.memmap(path, dtype=dtype, mode="r")
         self.n_tokens, self.n_documents = record["n_tokens"], record["n_documents"]
-        n = num_windows(self.tokens.size, seq_len)
+        n = num_windows(len(self.tokens), seq_len)
         self.n_val = int(n * val_fraction) if val_fraction > 0 else 0
         if val_fraction > 0 and n >= 2:
             self.n_val = max(1, self.n_val)
@@ -290,14 +339,23 @@ class SourceTokens:
 
     def sample(self, index: int) -> np.ndarray:
         """Window index of the stream (train: 0 <= index < n_train; validation after it) as int64, seq_len + 1 tokens."""
-        return window(self.tokens, index, self.seq_len).astype(np.int64)
+        w = window(self.tokens, index, self.seq_len).astype(np.int64)
+        if self.vocab_size is not None and w.size and (int(w.max()) >= self.vocab_size or int(w.min()) < 0):
+            bad = int(w.max()) if int(w.max()) >= self.vocab_size else int(w.min())
+            raise DataError(f"source '{self.name}': window {index} holds token id {bad}, outside the model's "
+                            f"{self.vocab_size} ids (model.vocab_size); the corpus was tokenized with another "
+                            f"vocabulary: raise model.vocab_size or give the tokenizer it was made with")
+        return w
 
 
 class PackedCorpus:
     """The run's sources as prepared (one token file each) and the mixture's weight schedule."""
 
-    def __init__(self, out_dir: str, cfg: DataConfig):
-        """Map the token file of every source of cfg; raises DataError for a damaged or incomplete directory."""
+    def __init__(self, out_dir: str, cfg: DataConfig, vocab_size: int | None = None):
+        """Map the token file of every source of cfg; raises DataError for a damaged or incomplete directory.
+
+        vocab_size: model.vocab_size, against which every window of a pre-tokenized source is checked.
+        """
         self.meta = read_meta(out_dir)
         self.seq_len = cfg.seq_len
         self.sources: list[SourceTokens] = []
@@ -306,20 +364,20 @@ class PackedCorpus:
             if record is None:
                 raise DataError(f"'{out_dir}' holds no prepared source '{src.name}'; run prepare (or the training "
                                 f"command) with this config to tokenize it")
-            self.sources.append(SourceTokens(out_dir, src.name, record, cfg.seq_len, cfg.val_fraction))
+            self.sources.append(SourceTokens(out_dir, src.name, record, cfg.seq_len, cfg.val_fraction, vocab_size))
         self.names = [s.name for s in self.sources]
         self.schedule = cfg.weight_schedule()
         self.n_train = sum(s.n_train for s in self.sources)
         self.n_val = sum(s.n_val for s in self.sources)
         self.n_tokens = sum(s.n_tokens for s in self.sources)
-        self.n_documents = sum(s.n_documents for s in self.sources)
+        self.n_documents = sum(max(0, s.n_documents) for s in self.sources)  # -1: not counted (numpy files)
 
     def describe(self) -> str:
         """The mixture for the start-up line: ' | mixture code 0.75 (400 docs), docs 0.25 (400 docs); from step
         5: ...', or '' for one source."""
         if len(self.sources) < 2:
             return ""
-        docs = [f"{s.n_documents:,} docs" for s in self.sources]
+        docs = [f"{s.n_documents:,} docs" if s.n_documents >= 0 else "docs not counted" for s in self.sources]
         stages = [", ".join(f"{n} {w:g}" + (f" ({d})" if start == 0 else "") for n, w, d in zip(self.names, ws, docs))
                   for start, ws in self.schedule]
         return " | mixture " + "; ".join(f"after step {start}: {text}" if start else text

@@ -23,7 +23,7 @@ from checkpoint import read_model_weights
 from config import load_run
 from core.cli import ArgumentParser, exit_command, number
 from core.errors import UserError, report
-from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer
+from data_pipeline.tokenizer import encode_plain, load_tokenizer, separator_ids
 from model import Transformer
 
 
@@ -180,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         model.eval().to(a.device)
         _cast_parameters(model, getattr(torch, a.dtype))
         tok = load_tokenizer(tok_path)
-        eot = tok.token_to_id(EOT)
+        eot, bos = separator_ids(tok_path, tok=tok)  # the run's separator ([EOT] for ours; tokenizer_config.json)
         # A prompt from the command line may hold undecodable bytes (as lone surrogates): replace them.
         text = a.prompt.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        prompt = [eot] + encode_plain(tok, [text])[0]  # "[EOT]" typed in a prompt is text
+        prompt = [eot if bos is None else bos] + encode_plain(tok, [text])[0]  # "[EOT]" typed in a prompt is text
         for i in range(a.num_samples):
             new = generate(model, prompt, a.max_new_tokens, a.temperature, a.top_k, a.top_p, a.seed + i, (eot,))
             print(f"--- sample {i} (seed {a.seed + i})")

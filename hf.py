@@ -22,7 +22,9 @@ The math needs no conversion, only names (an export must never silently change t
   e_score_correction_bias (a choice that no class expresses exactly is refused: hf_model_type).
 - Special tokens: the training stream puts [EOT] after every document and never uses
   [BOT], so [EOT] is what precedes a document. As in GPT-2, it is both bos and eos;
-  [PAD] is pad. No token is added automatically when encoding (same ids as prepare.py).
+  [PAD] is pad. Another tokenizer's run (data.eos_token / data.bos_token, or its own
+  tokenizer_config.json) exports its EOS as eos and its BOS, where it has one, as bos.
+  No token is added automatically when encoding (same ids as prepare.py).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from checkpoint import read_model_weights
 from config import load_run
 from core.cli import ArgumentParser, exit_command
 from core.errors import UserError, one_line, report, require
-from data_pipeline.tokenizer import EOT, load_tokenizer
+from data_pipeline.tokenizer import configured_token, eos_name, load_tokenizer, separator_ids
 from hf_format import (
     IGNORED,
     HFError,
@@ -96,7 +98,7 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
     Tensors are cast to dtype (float32 or bfloat16; the routing bias stays float32) and sharded above
     max_shard_size bytes. The folder is written beside out_dir and renamed into place, so a crash leaves no
     half folder. Raises HFError if out_dir holds files, state has another shape than args, the class cannot
-    express the model (hf_model_type), or the tokenizer lacks [EOT] or does not fit
+    express the model (hf_model_type), or the tokenizer has no separator (separator_ids) or does not fit
     args.vocab_size; MissingPackageError without safetensors (the hf extra).
     """
     require("safetensors", "hf", "writing a Hugging Face folder")
@@ -113,7 +115,14 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
                       + "; ".join(f"{k}: {got.get(k)} vs config {want.get(k)}" for k in bad[:6]))
     kind = hf_model_type(args, state)
     tok = load_tokenizer(tokenizer_path)
-    eot, pad = tok.token_to_id(EOT), tok.token_to_id("[PAD]")
+    try:  # the run's separator: [EOT] for ours, else its tokenizer_config.json's (data.eos_token, data.bos_token)
+        eot, bos = separator_ids(tokenizer_path, tok=tok)
+        eos_text = eos_name(tokenizer_path, tok)
+    except UserError as e:
+        raise HFError(str(e)) from None
+    bos_text = configured_token(tokenizer_path, "bos_token") if bos is not None else eos_text
+    bos = eot if bos is None else bos
+    pad = tok.token_to_id("[PAD]")
     if tok.get_vocab_size() > args.vocab_size:
         raise HFError(f"tokenizer '{tokenizer_path}' has {tok.get_vocab_size()} tokens > vocab_size {args.vocab_size}")
 
@@ -140,11 +149,11 @@ def save_hf(state: dict[str, Tensor], args: ModelArgs, tokenizer_path: str, out_
             total = sum(t.numel() * t.element_size() for t in tensors.values())
             _write_json(tmp, "model.safetensors.index.json", {"metadata": {"total_size": total},
                                                               "weight_map": weight_map})
-        _write_json(tmp, "config.json", to_hf_config(args, eot, eot, pad, dtype))
-        _write_json(tmp, "generation_config.json", {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": pad})
+        _write_json(tmp, "config.json", to_hf_config(args, bos, eot, pad, dtype))
+        _write_json(tmp, "generation_config.json", {"bos_token_id": bos, "eos_token_id": eot, "pad_token_id": pad})
         # Byte-identical tokenizer: AutoTokenizer gives the ids prepare.py packed.
         shutil.copyfile(tokenizer_path, os.path.join(tmp, "tokenizer.json"))
-        special = {"bos_token": "[EOT]", "eos_token": "[EOT]"}
+        special = {"bos_token": bos_text, "eos_token": eos_text}
         if pad is not None:
             special["pad_token"] = "[PAD]"
         _write_json(tmp, "special_tokens_map.json", special)

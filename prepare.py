@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
@@ -34,27 +33,27 @@ from config import check_run_dir, parse_config
 from core.cli import exit_command
 from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
+from data_pipeline import pretokenized, token_rows
 from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
 from data_pipeline.sources import check_source, files_record, iter_documents, source_changed, source_units, txt_notice
-from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer, train_tokenizer
-from observability.progress import duration
+from data_pipeline.tokenizer import encode_plain, load_tokenizer, separator_ids, train_tokenizer, write_tokenizer_config
+from observability.progress import ProgressLines
 from parallel import distributed
 from storage import fs
 from storage.fs import check_location
 from storage.rundir import RunDir, check_local_dir
 
 
-def pack_documents(docs: Iterable[list[int]], eot_id: int, dtype: str = "uint32") -> np.ndarray:
-    """Concatenate token-id lists into one stream with eot_id after every document.
+def pack_documents(docs: Iterable[list[int]], eot_id: int, dtype: str = "uint32", bos_id: int | None = None
+                   ) -> np.ndarray:
+    """Concatenate token-id lists into one stream with eot_id (the EOS) after every document, bos_id before each.
 
-    Returns a 1-D array of dtype ('uint16' or 'uint32') of sum(len(d) + 1) tokens: nothing
-    is padded or cut. Raises DataError if an id does not fit dtype.
+    Returns a 1-D array of dtype ('uint16' or 'uint32') of sum(len(d) + 1 (+ 1 with a BOS))
+    tokens: nothing is padded or cut. Raises DataError if an id does not fit dtype.
     """
-    parts = []
-    for ids in docs:
-        parts.append(np.asarray(ids, dtype=np.int64))
-        parts.append(np.asarray([eot_id], dtype=np.int64))
+    head = [] if bos_id is None else [bos_id]
+    parts = [np.asarray([*head, *ids, eot_id], dtype=np.int64) for ids in docs]
     stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if stream.size and stream.max() > np.iinfo(dtype).max:
         raise DataError(f"data.tokenizer: token id {stream.max()} does not fit {dtype}; the tokenizer has more ids "
@@ -74,6 +73,8 @@ def _rank_units(cfg: SourceConfig, rank: int, world: int) -> tuple[int, Iterator
     rank reads those N (a bounded read) and keeps its blocks. Otherwise the units are the
     source's own (source_units) and a rank reads only its own.
     """
+    if cfg.format == "tokens":  # token ids already: one unit per file, copied by token_rows.copy_rows
+        return token_rows.rank_units(cfg, rank, world)
     if not cfg.max_documents:
         units = source_units(cfg)
         return len(units), ((u, units[u]()) for u in range(rank, len(units), world))
@@ -89,46 +90,19 @@ def _document_blocks(cfg: SourceConfig, rank: int, world: int) -> Iterator[tuple
                 pass
 
 
-class _ProgressLines:
-    """Rank 0's progress while tokenizing: one line at most every INTERVAL_S seconds, and one at the end.
-
-    Rank 0 sees only its own share; the ranks share the units evenly, so its ETA is the run's.
-    """
-
-    INTERVAL_S = 10.0
-
-    def __init__(self, enabled: bool, n_units: int, rank: int, world: int, name: str = ""):
-        self.enabled, self.world, self.name = enabled, world, name
-        self.mine = len(range(rank, n_units, world))
-        self.units = self.docs = self.tokens = 0
-        self.t0 = self.last = time.perf_counter()
-        if enabled:
-            print(f"[data] tokenizing {n_units} work unit(s) of '{name}' on {world} rank(s)", flush=True)
-
-    def unit_done(self, n_tokens: int, n_docs: int) -> None:
-        self.units, self.docs, self.tokens = self.units + 1, self.docs + n_docs, self.tokens + n_tokens
-        now = time.perf_counter()
-        if self.enabled and (now - self.last >= self.INTERVAL_S or self.units == self.mine):
-            self.last, elapsed = now, now - self.t0
-            eta = elapsed / self.units * max(0, self.mine - self.units)
-            print(f"[data] rank 0: {self.units}/{self.mine} units, {self.docs:,} documents, {self.tokens:,} tokens, "
-                  f"{self.tokens / max(elapsed, 1e-9):,.0f} tokens/s, {'ETA ' + duration(eta) if eta else 'done'}",
-                  flush=True)
-
-
 def tokenize_documents(texts: Iterable[str], tokenizer, out: BinaryIO, dtype: str = "uint32",
-                       batch: int = 256) -> tuple[int, int]:
+                       batch: int = 256, separators: tuple[int, int | None] | None = None) -> tuple[int, int]:
     """Tokenize (as plain text) and pack documents (blank ones skipped), appending the dtype stream to out.
 
-    Writes batch by batch, so memory stays bounded however large the unit. Returns
-    (n_tokens written, n_documents).
+    separators: (EOS id, BOS id or None), tokenizer.separator_ids (default: [EOT], no BOS). Writes batch
+    by batch, so memory stays bounded however large the unit. Returns (n_tokens written, n_documents).
     """
-    eot = tokenizer.token_to_id(EOT)
+    eot, bos = separators or (tokenizer.token_to_id("[EOT]"), None)
     n_tokens, n_docs, pending = 0, 0, []
 
     def flush():
         nonlocal n_tokens, n_docs
-        stream = pack_documents(encode_plain(tokenizer, pending), eot, dtype)
+        stream = pack_documents(encode_plain(tokenizer, pending), eot, dtype, bos)
         out.write(stream.tobytes())
         n_tokens += int(stream.size)
         n_docs += len(pending)
@@ -208,12 +182,15 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
             raise DataError(f"rank {rank} cannot see '{work}', which rank 0 wrote: the run directory must be on "
                             f"a filesystem that every node shares")
         tokenizer = tokenizer or load_tokenizer(os.path.join(work, "tokenizer.json"))
+        separators = separator_ids(os.path.join(work, "tokenizer.json"), cfg.eos_token, cfg.bos_token, tokenizer)
         n_units, units = _rank_units(src, rank, world)
-        progress = _ProgressLines(rank == 0, n_units, rank, world, src.name)
+        progress = ProgressLines(rank == 0, n_units, rank, world, src.name)
         counts = []
         for u, texts in units:
             with open(os.path.join(parts, f"{u:07d}.bin"), "wb") as out:
-                counts.append((u, *tokenize_documents(texts, tokenizer, out, meta["dtype"])))
+                counts.append((u, *(token_rows.copy_rows(texts, src.token_column, out, separators[0], meta["dtype"],
+                                                           tokenizer.get_vocab_size()) if src.format == "tokens" else
+                                    tokenize_documents(texts, tokenizer, out, meta["dtype"], separators=separators))))
             progress.unit_done(*counts[-1][1:])
         return counts
 
@@ -224,11 +201,11 @@ def prepare(cfg: DataConfig, out_dir: str, rank: int = 0, world: int = 1, all_ga
         meta["sources"][name] = {**record, "files": plan["files"][name]} if plan["files"].get(name) else record
         if rank == 0 and src.max_documents and record["n_documents"] < src.max_documents:
             _say_cap(src, "tokenized", record["n_documents"])
-    agree(lambda: _finish_prepare(out_dir, tmp, work, meta, plan["changed"]) if rank == 0 else None)
+    agree(lambda: _finish_prepare(out_dir, tmp, work, meta, plan["changed"], cfg) if rank == 0 else None)
     meta = {**meta, "tokenizer": os.path.join(out_dir, "tokenizer.json")}
     records = [meta["sources"][name] for name in by_name]
     return {**meta, "n_tokens": sum(r["n_tokens"] for r in records),
-            "n_documents": sum(r["n_documents"] for r in records)}
+            "n_documents": sum(max(0, r["n_documents"]) for r in records)}  # -1: numpy files do not count them
 
 
 PARTS = ".parts"
@@ -268,6 +245,7 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         os.makedirs(tmp)
         tokenizer = _make_tokenizer(cfg)
         tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        write_tokenizer_config(cfg, tmp)
         meta = {"tokenizer": os.path.join(out_dir, "tokenizer.json"), "vocab_size": tokenizer.get_vocab_size(),
                 "tokenizer_config": wanted_tok, "sources": {}}
     meta.setdefault("dtype", token_dtype(meta["vocab_size"]))  # of the files written from now on
@@ -279,7 +257,10 @@ def _start_prepare(cfg: DataConfig, out_dir: str, tmp: str) -> dict:
         if record is not None and record["config"] != src.reading():
             raise _other_settings(out_dir, _changed(record["config"], src.reading(), src.field),
                                   "" if src.name == DEFAULT_SOURCE else "another source name, ")
-        files[src.name] = files_record(src)
+        if src.pretokenized and src.format != "tokens":  # read in place: recorded, never copied
+            changed = pretokenized.record_in_place(src, meta, out_dir) or changed
+            continue
+        files[src.name] = token_rows.files_record(src) if src.pretokenized else files_record(src)
         if record is not None and record.get("files") and files[src.name] and \
                 record["files"]["digest"] != files[src.name]["digest"]:
             raise source_changed(src, out_dir, record["files"], files[src.name])
@@ -319,7 +300,8 @@ def _make_tokenizer(cfg: DataConfig):
     """Rank 0: the tokenizer of data.tokenizer, or one trained on the sources in proportion to their weights."""
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
-    srcs = cfg.source_list()
+    if not (srcs := [s for s in cfg.source_list() if not s.pretokenized]):
+        raise DataError("data.tokenizer is empty but every source holds token ids; give its tokenizer.json")
     shares = ", ".join(f"{s.name} {share:.0%}" for s, share in zip(srcs, weight_shares([s.weight for s in srcs])))
     print(f"[data] training a byte-level BPE tokenizer of {cfg.tokenizer_vocab_size} tokens on up to "
           f"{cfg.tokenizer_train_chars:,} characters of {shares}", flush=True)
@@ -332,7 +314,7 @@ def tokenizer_texts(cfg: DataConfig) -> Iterator[str]:
     A source gets documents while it has had fewer characters than its budget, so it may
     exceed it by one document; a source of weight 0 gets none.
     """
-    srcs = cfg.source_list()
+    srcs = [s for s in cfg.source_list() if not s.pretokenized]  # token ids teach a tokenizer nothing
     for src, share in zip(srcs, weight_shares([s.weight for s in srcs])):
         budget, seen = cfg.tokenizer_train_chars * share, 0
         for text in iter_documents(src) if budget > 0 else ():
@@ -368,9 +350,13 @@ def _join_source(src, work: str, parts: str, file: str, counts: list[tuple[int, 
             "work_units": len(counts), "config": src.reading(), "sha256": digest.hexdigest()}
 
 
-def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool) -> None:
-    """Rank 0: write meta.json (when anything changed) and, for a first preparation, rename tmp to out_dir."""
+def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool, cfg: DataConfig) -> None:
+    """Rank 0: write meta.json (when anything changed), each stream's Megatron .idx with data.prepared_format
+    megatron, and, for a first preparation, rename tmp to out_dir."""
     shutil.rmtree(os.path.join(work, PARTS), ignore_errors=True)
+    if cfg.prepared_format == "megatron":
+        eos, _ = separator_ids(os.path.join(work, "tokenizer.json"), cfg.eos_token, cfg.bos_token)
+        pretokenized.index_streams(work, meta, eos)
     if changed:
         record = {k: v for k, v in meta.items() if k != "legacy"}
         record["tokenizer_sha256"] = fs.sha256(os.path.join(work, "tokenizer.json"))

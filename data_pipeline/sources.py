@@ -74,6 +74,8 @@ def check_source(cfg: DataConfig) -> None:
     compressed files whose module is not installed. Hub ids are checked when first read.
     """
     for src in cfg.source_list():
+        if src.pretokenized:  # token files: data_pipeline/pretokenized.py checks them
+            continue
         if src.dataset != "stdlib" and _looks_local(src.dataset):
             files = _local_files(os.path.expanduser(src.dataset), src.field("dataset"))
             _check_compression(src, files)

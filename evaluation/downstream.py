@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from core.errors import ConfigError
 from data import DataError
-from data_pipeline.tokenizer import EOT, encode_plain, load_tokenizer
+from data_pipeline.tokenizer import encode_plain, load_tokenizer, separator_ids
 from evaluation.validation import rank_share, reshard
 
 
@@ -399,7 +399,7 @@ def load_tasks(cfg: EvalConfig, tokenizer_path: str, max_len: int) -> list[Task]
     one rank and share the result). max_len: model.max_seq_len. Raises DataError as read_examples does.
     """
     tok = load_tokenizer(tokenizer_path)
-    eot_id = tok.token_to_id(EOT)
+    eot_id = separator_ids(tokenizer_path, tok=tok)[0]  # the run's EOS ([EOT] for ours): tokenizer_config.json
     out = []
     for t in cfg.tasks:
         examples = read_examples(t, cfg.limit)

@@ -65,3 +65,30 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+class ProgressLines:
+    """prepare.py's progress on rank 0 while tokenizing: one line at most every INTERVAL_S seconds, and one at the end.
+
+    Rank 0 sees only its own share; the ranks share the units evenly, so its ETA is the run's.
+    """
+
+    INTERVAL_S = 10.0
+
+    def __init__(self, enabled: bool, n_units: int, rank: int, world: int, name: str = ""):
+        self.enabled, self.world, self.name = enabled, world, name
+        self.mine = len(range(rank, n_units, world))
+        self.units = self.docs = self.tokens = 0
+        self.t0 = self.last = time.perf_counter()
+        if enabled:
+            print(f"[data] tokenizing {n_units} work unit(s) of '{name}' on {world} rank(s)", flush=True)
+
+    def unit_done(self, n_tokens: int, n_docs: int) -> None:
+        self.units, self.docs, self.tokens = self.units + 1, self.docs + n_docs, self.tokens + n_tokens
+        now = time.perf_counter()
+        if self.enabled and (now - self.last >= self.INTERVAL_S or self.units == self.mine):
+            self.last, elapsed = now, now - self.t0
+            eta = elapsed / self.units * max(0, self.mine - self.units)
+            print(f"[data] rank 0: {self.units}/{self.mine} units, {self.docs:,} documents, {self.tokens:,} tokens, "
+                  f"{self.tokens / max(elapsed, 1e-9):,.0f} tokens/s, {'ETA ' + duration(eta) if eta else 'done'}",
+                  flush=True)

@@ -73,10 +73,10 @@ def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan
             meta = prepare_on_all_ranks(cfg.data, data_dir)
     except UserError as e:
         raise SetupError(str(e)) from None
-    check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"])
+    check_tokenizer(meta["tokenizer"], cfg.model, meta["vocab_size"], cfg.data.eos_token)
     if resume:
         distributed.on_rank0(lambda: claim_checkpoint_dir(cfg, ckpt.root), rank)
-    corpus = PackedCorpus(data_dir, cfg.data)
+    corpus = PackedCorpus(data_dir, cfg.data, cfg.model.vocab_size)
     micro = cfg.train.micro_batch(dp)
     data_state = DataState()
     loader = GlobalBatchLoader(corpus, cfg.train.global_batch_size, cfg.train.micro_batch_size,
@@ -131,12 +131,14 @@ def params_description(m) -> str:
 def start_line(s: Session, fpt: float) -> str:
     """The one line a run prints when it starts: layout, model, corpus, attention and loss, where it starts from."""
     cfg, mesh = s.cfg, s.mesh
+    # numpy token files do not count their documents (meta.json's -1), so the sum leaves them out
+    uncounted = " (and numpy files' uncounted)" if any(t.n_documents < 0 for t in s.corpus.sources) else ""
     start = (f"resumed from {s.resumed_from} at step {s.train_state.step}" if s.resumed_from else
              f"weights from {cfg.init_from_hf}" if cfg.init_from_hf else "fresh start")
     return (f"[train] mesh {mesh.describe()} device {s.device.type} {cfg.train.dtype} | "
             f"params {params_description(cfg.model)}{parametrization_note(cfg)} | {fpt / 1e6:.1f} MFLOP/token | "
-            f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs, {s.corpus.n_train} train / "
-            f"{s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
+            f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs{uncounted}, "
+            f"{s.corpus.n_train} train / {s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
             + s.runner.describe()
             + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))
 
