@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+import warnings
 
 import torch
 
@@ -38,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     """plan.py's command: exit 0 with the plan printed, 2 with one 'error: ...' line on bad input."""
     argv = sys.argv[1:] if argv is None else argv
     parser = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+                                allow_abbrev=False, usage="python plan.py --config FILE --world_size N "
+                                "[--gpus_per_node G] [--gpu NAME] [--json FILE] [--search] [--plan.moe_max_load X] "
+                                "[--section.field VALUE ...]")
     parser.add_argument("--world_size", type=cli.number(int, lambda v: v >= 1, "an integer >= 1"), required=True,
                         help="the ranks (GPUs) of the run planned")
     parser.add_argument("--gpus_per_node", type=cli.number(int, lambda v: v >= 1, "an integer >= 1"),
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="also write the plan as JSON to this file")
     parser.add_argument("--search", action="store_true", help="plan the layouts worth trying, the best first")
     parser.add_argument("--plan.moe_max_load", dest="moe_max_load", default=1.0,
-                        type=cli.number(float, lambda v: v >= 1, "a number >= 1"),
+                        type=cli.number(float, lambda v: 1 <= v < math.inf, "a finite number >= 1"),
                         help="a mixture of experts' planned load: the busiest expert's tokens over the mean (1: "
                              "balanced; the runs in docs/moe.md measured about 1.3)")
     try:
@@ -60,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.world_size % per_node:
             raise ConfigError(f"--world_size {a.world_size} is not a multiple of --gpus_per_node {per_node}: a run "
                               f"fills whole nodes; use --world_size {math.ceil(a.world_size / per_node) * per_node}")
+        check_output(a.json)
         cfg = parse_config(rest, require_file=True)
+        if cfg.train.float8 != "off" and not gpu.fp8_flops and gpu.name != "cpu":
+            raise ConfigError(f"train.float8 {cfg.train.float8} needs float8 matmuls (compute capability 8.9 or newer: "
+                              f"h100, h200, b200, mi300x); --gpu {gpu.name} has none; use --train.float8 off")
         # Planned as it would run on the GPU: its dtype ('auto' is bf16 there), whatever this machine has.
         cfg.train.dtype = compute_dtype(cfg.train, torch.device("cpu" if gpu.name == "cpu" else "cuda"))
         given = any(w == "--train.global_batch_size" or w.startswith("--train.global_batch_size=") for w in rest)
@@ -79,15 +87,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def check_output(path: str) -> None:
+    """Refuse a --json path that cannot be written (a folder, or in a folder that does not exist) before any work."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"--json {path} is a folder; give a file name, e.g. {os.path.join(path, 'plan.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--json {path}: the folder {parent} does not exist; create it or give another path")
+
+
 def run_search(cfg, a, rest: list[str], gpu, per_node: int, given: bool) -> int:
     """--search: every candidate's line as it is planned, then the commands of the fitting ones, the best first."""
     print(f"search: {a.world_size} x {gpu.name} ({per_node} per node)", flush=True)
-    tried = search(cfg, a.world_size, gpu, per_node, given, a.moe_max_load, log=lambda line: print(line, flush=True))
+    pinned = frozenset(w.lstrip("-").split("=")[0] for w in rest if w.startswith("--") and "." in w)
+    tried = search(cfg, a.world_size, gpu, per_node, given, a.moe_max_load, log=lambda line: print(line, flush=True),
+                   pinned=pinned)
     fitting = [c for c in tried if c.plan is not None and c.plan.fits]
     if not fitting:
         raise none_fits(tried, gpu)
     print("fastest first (predicted tokens/s):")
-    for i, c in enumerate(fitting[:3]):
+    for i, c in enumerate(fitting):
         print(f"  {i + 1}. {c.plan.tokens_per_sec:,.0f} tokens/s, MFU {c.plan.mfu:.1%}: "
               f"{command(c, rest, a.world_size, per_node)}", flush=True)
     if a.json:
@@ -98,4 +119,7 @@ def run_search(cfg, a, rest: list[str], gpu, per_node: int, given: bool) -> int:
 
 
 if __name__ == "__main__":
+    # A mixture of experts' FSDP-wrapped experts return a view, which FSDP2 warns about whatever the run does with
+    # it; the trainer's own tests hold its gradients (tests/test_moe.py). Not the planner's news.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     exit_command(main())

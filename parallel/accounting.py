@@ -24,6 +24,8 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from parallel.pipeline_stages import stage_modules
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "collectives", "inputs")
 """The step's memory by what it is, bytes: parameters (and buffers) as held between steps, gradients, optimizer
 state, activations kept for backward, temporaries, collective buffers (FSDP's gathered parameters and unreduced
@@ -184,14 +186,17 @@ def account_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, count
     counter = CommCounter() if count_comm else contextlib.nullcontext()
     account = StepAccount()
 
+    roots = {id(model)} | {id(stage) for _, stage in stage_modules(model)}
+
     def before_forward(module, _):
-        if module is not model:
+        if id(module) not in roots:
             return
-        if isinstance(tracker, FSDPMemTracker):
-            # FSDPMemTracker refuses a second forward of its root in one step (gradient accumulation) unless its
-            # per-module statistics, which nothing here reads, are cleared first; the step's peak is kept apart.
-            tracker.reset_mod_stats()
-        if count_comm:
+        if memory:
+            # PyTorch's trackers refuse a second forward of a top module in one step (gradient accumulation, a
+            # pipeline's micro-batches) while they hold its statistics, which nothing here reads: drop that
+            # module's (only: an interleaved schedule's other micro-batches are still in their backward).
+            tracker.memory_tracking.pop(module, None)
+        if count_comm and module is model:
             counter.mark()
     handle = register_module_forward_pre_hook(before_forward)  # global: it runs before the root's own (FSDP's)
     try:

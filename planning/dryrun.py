@@ -7,10 +7,11 @@ the TP/CP/EP/PP plans, activation checkpointing, float8, FSDP2, the optimizer) a
 step (training.step.train_step) run for any layout: a plan is of the code that will run, not
 of a model of it. parallel/accounting.py measures the step as the trainer measures a real one.
 
-What fakes cannot do, the dry run does explicitly (HostValues, dry_run): the host reads a
-tensor (the gradient norm's finiteness, a count) -> a stated value; a mixture of experts routes
-by data -> a planned load. A pipeline's stages exchange their tensors' shapes by send/recv on
-their first step, which a fake world does not deliver: plan.py does not plan pipelines yet.
+What fakes cannot do, the dry run does explicitly (HostValues, static_stages, dry_run): the
+host reads a tensor (the gradient norm's finiteness, a count) -> a stated value; a mixture of
+experts routes by data -> a planned load; a pipeline stage learns its neighbours' shapes by
+send/recv, which moves nothing here -> the shapes are given up front, and each stage's rank
+is planned in turn.
 """
 from __future__ import annotations
 
@@ -168,6 +169,39 @@ def forget_meshes() -> None:
     torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's
 
 
+@contextlib.contextmanager
+def static_stages(cfg: Config, layout: Layout):
+    """Pipeline stages told their tensors' shapes up front (PipelineStage's static mode), for the dry run.
+
+    On its first step a pipeline stage learns the shapes it receives from its neighbours by
+    send/recv, which a fake world does not deliver. Their shapes are known from the config:
+    a micro-batch of the schedule (the rank's batch over its micro-batches) of the rank's part
+    of the sequence (split over CP, and over TP where sequence parallelism passes on a rank's
+    part), the token ids into the first stage, the hidden states (dim, in the blocks' dtype)
+    between stages; the last stage's output is not sent (its logits' shape stands for it).
+    """
+    import torch.distributed.pipelining as pipelining  # loads torch._dynamo: only where a pipeline is planned
+
+    from parallel.pipeline import default_microbatches
+
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    local = t.global_batch_size // layout.data
+    micro = local // (p.pp_microbatches or default_microbatches(p.pp, local, p.pp_schedule))
+    tokens = cfg.data.seq_len // p.cp
+    seq = tokens // p.tp if p.tp > 1 else tokens
+    act = torch.bfloat16 if t.dtype == "bfloat16" else torch.float32
+    real = pipelining.PipelineStage
+
+    def stage(module, index, n_stages, device, group=None):
+        hidden = torch.empty(micro, seq, m.dim, dtype=act, device=device, requires_grad=True)  # gradients flow back
+        inputs = torch.zeros(micro, tokens, dtype=torch.int64, device=device) if index == 0 else hidden
+        outputs = torch.empty(micro, seq, m.vocab_size, device=device) if index == n_stages - 1 else hidden
+        return real(module, index, n_stages, device, input_args=inputs, output_args=outputs, group=group)
+
+    with mock.patch.object(pipelining, "PipelineStage", stage):
+        yield
+
+
 def role_of(layout: Layout, ranks: tuple[int, ...], rank: int) -> str:
     """The name of rank's group ranks: the role whose group it is (ROLE_ORDER's first), else the mesh dimension
     along which its ranks differ (HSDP's 'dp_shard' and 'dp_replicate'), else 'world' or 'other'."""
@@ -212,7 +246,8 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
         micro, per_rank = t.micro_batch(dp), t.global_batch_size // dp
         n_micro = per_rank // micro
         with FakeTensorMode(allow_non_fake_inputs=True), HostValues(max_load), own_propagation(), \
-                mock.patch.object(parallelize, "copy_sharded", keep_shard):
+                mock.patch.object(parallelize, "copy_sharded", keep_shard), \
+                static_stages(cfg, layout) if layout.pp > 1 else contextlib.nullcontext():
             tr = build_trainable(cfg, rank, mesh, device, tp_plan)
             optimizer_state(tr.optimizer, tr.model)
             n = n_micro if layout.pp > 1 else min(2, n_micro)

@@ -14,13 +14,12 @@ import time
 
 import train_2d
 from config import Config, validate_layout
-from core.errors import SetupError
 from model import num_params
 from parallel.composition import check_composition
 from parallel.layout import Layout
 from planning.dryrun import RankPlan, dry_run, planned_ranks
 from planning.estimate import StepEstimate, estimate, flops_per_step
-from planning.gpus import GIB, GPU
+from planning.gpus import GIB, GPU, rank_memory
 
 CUDA_CONTEXT = int(0.5 * GIB)
 """Bytes a CUDA context with cuBLAS and NCCL's communicators takes before any tensor (about 500 MiB on Hopper with
@@ -66,8 +65,13 @@ class Plan:
         return flops_per_step(self.cfg) / (self.step_s * self.world_size * self.gpu.bf16_flops)
 
     @property
+    def memory(self) -> int:
+        """The bytes a rank has (gpus.rank_memory)."""
+        return rank_memory(self.gpu, self.gpus_per_node)
+
+    @property
     def fits(self) -> bool:
-        return all(device_total(r.peak_bytes, self.gpu) <= self.gpu.memory for r, _ in self.ranks)
+        return all(device_total(r.peak_bytes, self.gpu) <= self.memory for r, _ in self.ranks)
 
     @property
     def peak_bytes(self) -> int:
@@ -80,7 +84,7 @@ class Plan:
                 "active_params": num_params(self.cfg.model, active=True),
                 "flops_per_step": flops_per_step(self.cfg), "predicted_step_s": self.step_s,
                 "predicted_tokens_per_sec": self.tokens_per_sec, "predicted_mfu": self.mfu,
-                "global_batch_size": self.cfg.train.global_batch_size, "seq_len": self.cfg.data.seq_len,
+                "rank_memory_bytes": self.memory, "global_batch_size": self.cfg.train.global_batch_size, "seq_len": self.cfg.data.seq_len,
                 "layout": layout_flags(self.cfg), "dry_run_s": self.seconds, "notes": self.notes,
                 "ranks": [{"rank": r.rank, "stage": r.stage, "params_bytes": r.held["params"],
                            "grads_bytes": r.held["grads"], "optimizer_bytes": r.held["optimizer"],
@@ -103,11 +107,12 @@ class Plan:
         for r, e in self.ranks:
             total = device_total(r.peak_bytes, g)
             parts = ", ".join(f"{k} {size(v)}" for k, v in r.at_peak.items() if v)
-            out.append(f"  rank {r.rank} (stage {r.stage}, {r.micro_batches} micro-batches): holds params "
+            margins = "with context, NCCL and fragmentation " if g.name != "cpu" else ""
+            out.append(f"  rank {r.rank} (stage {r.stage}, {r.micro_batches} micro-batch"
+                       f"{'es' if r.micro_batches > 1 else ''}): holds params "
                        f"{size(r.held['params'])}, grads {size(r.held['grads'])}, optimizer "
-                       f"{size(r.held['optimizer'])}; peak {size(r.peak_bytes)} ({parts}); with context, NCCL and "
-                       f"fragmentation {size(total)} of {size(g.memory)}: "
-                       f"{'fits' if total <= g.memory else 'DOES NOT FIT'}")
+                       f"{size(r.held['optimizer'])}; peak {size(r.peak_bytes)} ({parts}); {margins}{size(total)} of "
+                       f"{size(self.memory)}: {'fits' if total <= self.memory else 'DOES NOT FIT'}")
             comm = ", ".join(f"{k} {size(v)} in {e.comm_s[k] * 1e3:.0f} ms" for k, v in sorted(r.comm.items()))
             out.append(f"    step {e.step_s:.3f} s = compute {e.compute_s:.3f} + exposed communication "
                        f"{e.exposed_comm_s:.3f} + bubble {e.bubble_s:.3f} + optimizer {e.optimizer_s:.3f}; "
@@ -159,9 +164,6 @@ def plan_run(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, max_loa
     trainer's UserError for a layout it refuses.
     """
     check_layout_run(cfg, world_size, gpus_per_node)
-    if cfg.parallel.pp > 1:
-        raise SetupError("plan.py does not plan pipeline layouts yet (the fake process group's send/recv carry no "
-                         "stage shapes to the next stage: docs/planning.md); plan it with --parallel.pp 1")
     cfg = copy.deepcopy(cfg)
     notes = []
     if cfg.train.compile:

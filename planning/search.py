@@ -1,9 +1,9 @@
 """plan.py --search: the layouts worth trying for a model at a world size, each planned, the best first.
 
-The candidates are tensor parallelism inside a node (1, 2, 4, 8) for a dense model, expert
-parallelism over a node (or none) for a mixture of experts, and activation checkpointing (none,
-then full only where none does not fit: full only recomputes), with the config's CP,
-micro-batch and schedule (pipelines are not planned yet); each goes through the trainer's own checks
+The candidates are tensor parallelism inside a node (1, 2, 4, 8) times pipeline stages across
+nodes (1, 2, 4; 1F1B) for a dense model, expert parallelism over a node (or none) for a mixture
+of experts, and activation checkpointing (none, then full only where none does not fit: full
+only recomputes), with the config's CP and micro-batch; each goes through the trainer's own checks
 (a layout it refuses is listed with its reason) and a dry run. The fitting ones are ranked by
 predicted tokens/s; each is printed with the torchrun command that starts it.
 """
@@ -17,9 +17,10 @@ import shlex
 from config import Config
 from core.errors import SetupError, UserError
 from planning.gpus import GIB, GPU
-from planning.planner import Plan, device_total, plan_run, trainer_of
+from planning.planner import Plan, device_total, plan_run, size, trainer_of
 
 TP = (1, 2, 4, 8)
+PP = (1, 2, 4)
 
 
 @dataclasses.dataclass
@@ -42,43 +43,59 @@ def with_settings(cfg: Config, settings: dict) -> Config:
 
 
 def fit_batch(cfg: Config, world_size: int, given: bool) -> str:
-    """Make the global batch split over world_size's data-parallel ranks x micro-batch, when the user did not give it
-    (given: --train.global_batch_size was on the command line): the smallest multiple at or above the config's.
-    Returns a note saying so, or ''. A layout that does not divide world_size is left to the checks."""
+    """Make the global batch split over world_size's data-parallel ranks (x train.micro_batch_size when set), when
+    the user did not give it (given: --train.global_batch_size was on the command line): the smallest multiple at or
+    above the config's. Returns a note saying so, or ''. A layout that does not divide world_size is left to the
+    checks."""
     t, p = cfg.train, cfg.parallel
     if given or t.batch_stages or world_size % (p.pp * p.cp * p.tp):
         return ""
     dp = p.data_parallel(world_size)
-    unit = dp * t.micro_batch(dp)
-    if not t.micro_batch_size or t.global_batch_size % unit == 0:
+    unit = dp * (t.micro_batch_size or 1)
+    if t.global_batch_size % unit == 0:
         return ""
     was = t.global_batch_size
     t.global_batch_size = -(-was // unit) * unit
-    return (f"train.global_batch_size {was} does not split over {dp} data-parallel ranks x train.micro_batch_size "
-            f"{t.micro_batch_size}: planned at {t.global_batch_size} (give --train.global_batch_size to choose)")
+    per = f" x train.micro_batch_size {t.micro_batch_size}" if t.micro_batch_size else ""
+    return (f"train.global_batch_size {was} does not split over {dp} data-parallel ranks{per}: planned at "
+            f"{t.global_batch_size} (give --train.global_batch_size to choose)")
 
 
 def candidates(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict]:
-    """The settings --search tries, in the order it tries them: tensor parallelism inside a node for a dense model;
-    for a mixture of experts, expert parallelism over a node's ranks (or the experts, when fewer) instead, as EP x TP
-    is refused. Each at pp 1: pipelines are not planned yet."""
+    """The settings --search tries, in the order it tries them: for a dense model tensor parallelism inside a node,
+    times pipeline stages across nodes; for a mixture of experts, expert parallelism over a node's ranks (or the
+    experts, when fewer) instead, as EP x TP is refused."""
     out = []
     if cfg.model.n_experts:
         eps = sorted({1, math.gcd(gpus_per_node, cfg.model.n_experts, world_size)})
         return [{"parallel.tp": 1, "parallel.pp": 1, "parallel.ep": ep} for ep in eps]
-    for tp in TP:
-        if tp <= gpus_per_node and world_size % tp == 0:
-            out.append({"parallel.tp": tp, "parallel.pp": 1})
+    # Pipelines across nodes only (their point-to-point traffic is what crosses them): pp 1, and 2 and 4 where there
+    # are as many nodes.
+    pps = [pp for pp in PP if pp == 1 or world_size >= pp * gpus_per_node and cfg.model.n_layers % pp == 0]
+    for pp in pps:
+        for tp in TP:
+            if tp <= gpus_per_node and world_size % (tp * pp) == 0:
+                s = {"parallel.tp": tp, "parallel.pp": pp}
+                if pp > 1:
+                    s["parallel.pp_schedule"] = "1F1B"
+                out.append(s)
     return out
 
 
 def search(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, batch_given: bool, max_load: float = 1.0,
-           log=print) -> list[Candidate]:
+           log=print, pinned: frozenset = frozenset()) -> list[Candidate]:
     """Plan every candidate layout (activation checkpointing 'full' only where 'none' does not fit); returns them all,
-    the fitting ones first, fastest first. log(line): progress, one line per plan."""
-    tried = []
+    the fitting ones first, fastest first. log(line): progress, one line per plan. pinned: the 'section.field's the
+    user gave, which every candidate keeps at the config's value."""
+    tried, seen = [], set()
     for base in candidates(cfg, world_size, gpus_per_node):
-        for ac in ("none", "full"):
+        base = {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) if k in pinned else v
+                for k, v in base.items()}
+        if tuple(base.items()) in seen:
+            continue
+        seen.add(tuple(base.items()))
+        acs = [cfg.train.activation_checkpointing] if "train.activation_checkpointing" in pinned else ["none", "full"]
+        for ac in acs:
             settings = {**base, "train.activation_checkpointing": ac}
             c = Candidate(settings)
             run = with_settings(cfg, settings)
@@ -104,7 +121,7 @@ def describe(c: Candidate, gpu: GPU) -> str:
         return f"  {flags}: refused: {c.refused}"
     p = c.plan
     total = max(device_total(r.peak_bytes, gpu) for r, _ in p.ranks)
-    return (f"  {flags}: {total / GIB:.1f} of {gpu.memory / GIB:.0f} GiB, "
+    return (f"  {flags}: {size(total)} of {size(p.memory)}, "
             f"{'fits' if p.fits else 'does not fit'}, {p.tokens_per_sec:,.0f} tokens/s, MFU {p.mfu:.1%} "
             f"(dry run {p.seconds:.1f} s)")
 
@@ -117,7 +134,15 @@ def command(c: Candidate, argv: list[str], world_size: int, gpus_per_node: int) 
               ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={gpus_per_node}", "--rdzv-backend=c10d",
                "--rdzv-endpoint=HOST:29500"])
     flags = [w for k, v in c.settings.items() for w in (f"--{k}", str(v))]
-    return shlex.join(launch + [trainer_of(c.plan.cfg)] + argv + flags)
+    own, skip = [], False
+    for w in argv:  # the user's arguments but those the candidate sets
+        if skip:
+            skip = False
+        elif w.lstrip("-").split("=")[0] in c.settings:
+            skip = "=" not in w
+        else:
+            own.append(w)
+    return shlex.join(launch + [trainer_of(c.plan.cfg)] + own + flags)
 
 
 def none_fits(tried: list[Candidate], gpu: GPU) -> SetupError:
@@ -129,6 +154,6 @@ def none_fits(tried: list[Candidate], gpu: GPU) -> SetupError:
     best = min(planned, key=lambda c: max(device_total(r.peak_bytes, gpu) for r, _ in c.plan.ranks))
     need = max(device_total(r.peak_bytes, gpu) for r, _ in best.plan.ranks)
     flags = " ".join(f"--{k} {v}" for k, v in best.settings.items())
-    return SetupError(f"--search: no layout fits {gpu.name}'s {gpu.memory / GIB:.0f} GiB; the smallest is {flags} "
+    return SetupError(f"--search: no layout fits {gpu.name}'s {best.plan.memory / GIB:.0f} GiB per rank; the smallest is {flags} "
                       f"at {need / GIB:.1f} GiB per rank: use more GPUs (--world_size), a smaller "
                       f"train.micro_batch_size or data.seq_len, train.loss_chunk_size, or a GPU with more memory")
