@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 
 import pytest
@@ -138,6 +139,17 @@ def test_bad_input_is_one_line_and_writes_nothing(argv, says, capsys, tmp_path):
     lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
     assert not out_json.exists()
+
+
+@pytest.mark.parametrize("argv", [("--world_size", "12", "--gpus_per_node", "8"),
+                                  ("--world_size", "2", "--gpu", "a100", "--train.float8", "tensorwise")])
+def test_the_printed_remedies_plan_as_printed(argv, capsys):
+    """The flag an error line says to use, used as printed, plans."""
+    rc, out, err = plan_main(capsys, "--config", DEBUG, *argv)
+    fix = re.search(r"use (--[\w.]+ \S+)$", err.strip()).group(1).split()
+    assert rc == 2, err
+    rc, out, err = plan_main(capsys, "--config", DEBUG, *argv, *fix)
+    assert rc == 0 and "predicted:" in out, err
 
 
 def test_json_names_every_figure_the_design_lists(capsys, tmp_path):

@@ -39,6 +39,8 @@ new one without a row here fails: write its test, then add the row.
 | training/loop.py | `pass --model.moe_bias_update_rate 0`: the start's notice that hf.py export will refuse a softmax MoE whose bias moves | test_moe.py::test_the_export_notice_names_the_refusal_and_its_printed_fix_keeps_the_model_exportable |
 | parallel/compose.py | `set --model.n_experts (a multiple of {}) or use parallel.ep 1` | test_moe.py::test_moe_option_remedies_are_accepted_as_printed |
 | training/resume.py | `to resume it, or start a new --run_dir`: an MoE checkpoint resumed as dense | test_moe.py::test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused |
+| plan.py | `a run fills whole nodes; use --world_size {}` | test_plan.py::test_the_printed_remedies_plan_as_printed |
+| plan.py | `use --train.float8 off`: float8 planned on a GPU without it | test_plan.py::test_the_printed_remedies_plan_as_printed |
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ REMEDY = re.compile(r"run the same command|run (it )?again|pass --|use --|set --
 """The phrases that make a message a remedy a user follows."""
 
 SOURCES = ("", "core", "nn", "storage", "parallel", "observability", "data_pipeline", "optimization", "evaluation",
-           "training")
+           "training", "planning")
 """The folders of the commands' code (the root: its .py files); tests and benchmarks are not the product's messages."""
 
 
