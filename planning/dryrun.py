@@ -36,6 +36,7 @@ from parallel import parallelize
 from parallel.accounting import account_step, held_bytes
 from parallel.layout import ROLES, Layout
 from parallel.parallelize import TPPlan
+from parallel.pipeline import default_microbatches
 from training.step import build_trainable, train_step
 
 ROLE_ORDER = ("tp", "cp", "ep", "pp", "experts_fsdp", "fsdp", "loss", "data", "same_params")
