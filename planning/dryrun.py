@@ -183,7 +183,6 @@ def static_stages(cfg: Config, layout: Layout):
     """
     import torch.distributed.pipelining as pipelining  # loads torch._dynamo: only where a pipeline is planned
 
-    from parallel.pipeline import default_microbatches
 
     t, p, m = cfg.train, cfg.parallel, cfg.model
     local = t.global_batch_size // layout.data
