@@ -1,8 +1,8 @@
 """A plan: the trainer's checks, a dry run of each distinct rank, the memory against the GPU, the step's time.
 
 plan_run is what plan.py and its --search call for one layout. Its figures per rank are the dry
-run's (dryrun.py); whether the rank fits adds the memory no tracker sees (MARGINS); the step time
-is estimate.py's model on the GPU's figures (gpus.py).
+run's (dryrun.py); whether the rank fits adds the memory no tracker sees (CUDA_CONTEXT, NCCL_BUFFERS,
+FRAGMENTATION); the step time is estimate.py's model on the GPU's figures (gpus.py).
 """
 from __future__ import annotations
 
@@ -158,7 +158,8 @@ def check_layout_run(cfg: Config, world_size: int, gpus_per_node: int) -> None:
 
 
 def plan_run(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, max_load: float = 1.0) -> Plan:
-    """Check cfg's layout as the trainer does, dry-run each distinct rank, and estimate its step on gpu.
+    """Check cfg's layout as the trainer does, dry-run each distinct rank (one per pipeline stage), and estimate its
+    step on gpu.
 
     cfg is not changed (a copy is planned: eager, no memory tracking of its own). Raises the
     trainer's UserError for a layout it refuses.
