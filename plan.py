@@ -16,7 +16,6 @@ Any --section.field VALUE is the trainer's override. docs/planning.md has the de
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -31,9 +30,6 @@ from core.errors import ConfigError, UserError, report
 from planning.gpus import GPUS, gpu_named
 from planning.planner import plan_run, write_json
 from planning.search import command, fit_batch, none_fits, search
-
-PLAN_FLAGS = ("--world_size", "--gpus_per_node", "--gpu", "--json", "--search", "--plan.moe_max_load")
-"""plan.py's own flags; the rest are the trainer's."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             plan.notes.insert(0, note)
         print("\n".join(plan.lines()), flush=True)
         if a.json:
-            write_json(plan, a.json)
+            write_json(plan.to_json(), a.json)
         return 0
     except UserError as e:
         report(e)
@@ -112,9 +108,8 @@ def run_search(cfg, a, rest: list[str], gpu, per_node: int, given: bool) -> int:
         print(f"  {i + 1}. {c.plan.tokens_per_sec:,.0f} tokens/s, MFU {c.plan.mfu:.1%}: "
               f"{command(c, rest, a.world_size, per_node)}", flush=True)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump([{"settings": c.settings, "refused": c.refused, **(c.plan.to_json() if c.plan else {})}
-                       for c in tried], f, indent=1)
+        write_json([{"settings": c.settings, "refused": c.refused, **(c.plan.to_json() if c.plan else {})}
+                    for c in tried], a.json)
     return 0
 
 

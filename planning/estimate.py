@@ -51,7 +51,7 @@ class StepEstimate:
     """{'collective role': seconds on the link, before overlap}."""
 
 
-def link_of(layout: Layout, ranks: list[int], gpus_per_node: int) -> str:
+def link_of(ranks: list[int], gpus_per_node: int) -> str:
     """'intra_node' when all of ranks sit on one node (torchrun numbers ranks node by node), else 'inter_node'."""
     return "intra_node" if len({r // gpus_per_node for r in ranks}) == 1 else "inter_node"
 
@@ -84,7 +84,7 @@ def estimate(plan: RankPlan, cfg: Config, world_size: int, gpu: GPU, gpus_per_no
     for name, nbytes in plan.comm.items():
         kind, role = name.split(" ", 1)
         ranks = plan.groups.get(role, list(range(world_size)))
-        bandwidth = getattr(gpu, link_of(layout, ranks, gpus_per_node))
+        bandwidth = getattr(gpu, link_of(ranks, gpus_per_node))
         seconds = nbytes * ring_factor(kind, len(ranks)) / bandwidth + plan.calls.get(name, 0) * gpu.collective_latency_s
         comm[name] = seconds
         if role in OVERLAPPED and kind in ("all_gather", "reduce_scatter"):

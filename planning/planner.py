@@ -183,9 +183,10 @@ def plan_run(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, max_loa
     return Plan(cfg, world_size, gpus_per_node, gpu, ranks, time.perf_counter() - started, notes)
 
 
-def write_json(plan: Plan, path: str) -> None:
-    """plan.to_json() to path (written whole, then renamed into place)."""
+def write_json(obj, path: str) -> None:
+    """obj (a plan's to_json(), or --search's list of them) as JSON to path (written whole, then renamed into
+    place)."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(plan.to_json(), f, indent=1)
+        json.dump(obj, f, indent=1)
     os.replace(tmp, path)
