@@ -194,12 +194,14 @@ def test_the_first_command_search_prints_trains_with_the_planned_peak(world, tmp
     words = shlex.split(cmds[0])
     assert words[:3] == ["torchrun", "--standalone", f"--nproc_per_node={world}"], words
     run_dir = str(tmp_path / "run")
-    torchrun(world, words[3], *words[4:], "--run_dir", run_dir, "--train.steps", "3", "--train.log_interval", "1",
-             "--train.val_interval", "0", "--checkpoint.interval", "1000", "--train.track_memory", "true",
-             timeout=300)
+    out = torchrun(world, words[3], *words[4:], "--run_dir", run_dir, "--train.steps", "3", "--train.log_interval",
+                   "1", "--train.val_interval", "0", "--checkpoint.interval", "1000", "--train.track_memory", "true",
+                   timeout=300).stdout
     records = [r for r in metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     want = max(planned(words[6:], world, rank).peak_bytes for rank in range(world))
+    printed = re.findall(r"peak planned [^(]*\(([\d,]+) bytes", out)  # the start line's, from plan.py beside the run
+    assert [int(p.replace(",", "")) for p in printed] == [want], out[-2000:]
     for r in records[1:]:  # the first step creates the optimizer state; the plan is of the steps after
         assert abs(r["peak_bytes_max"] - want) <= PEAK_RTOL * want, (r, want)
     assert os.path.isfile(os.path.join(ROOT, words[3]))

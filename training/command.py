@@ -24,6 +24,7 @@ from parallel.memory import check_fits, rank_memory
 from parallel.parallelize import TPPlan
 from storage.rundir import forget_exit_record, lock_run_dir
 from training.loop import exit_status, train
+from training.planned import PlannedPeak
 from training.resume import checkpoint_tokenizer, source_tokenizer
 from training.session import build
 
@@ -88,14 +89,23 @@ def peer_message(cfg: Config, where: str, rank: int, why: str) -> str:
             f"command to resume (torchrun --max-restarts N restarts and resumes by itself)")
 
 
-def run(cfg: Config, tp_plan: TPPlan | None = None) -> int:
-    """Train as configured (called under torchrun on every rank, after check_run); returns train()'s result."""
-    lock = lock_run_dir(cfg.run_dir) if int(os.environ.get("RANK", 0)) == 0 else None
+def run(cfg: Config, tp_plan: TPPlan | None = None, argv: list[str] | None = None) -> int:
+    """Train as configured (called under torchrun on every rank, after check_run); returns train()'s result.
+
+    argv: the command's arguments, for the plan rank 0 runs beside a run that records its peak (training/planned.py).
+    """
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    lock = lock_run_dir(cfg.run_dir) if rank0 else None
+    kind = distributed.resolve_device(cfg.train.device).type
+    planned = PlannedPeak(list(sys.argv[1:] if argv is None else argv), distributed.world_size(),
+                          distributed.local_world_size(), kind) \
+        if rank0 and (kind == "cuda" or cfg.train.track_memory) else None
     try:
         rank, world_size, device = distributed.init_distributed(cfg.train.device)
         session = None
         try:
             session = build(cfg, rank, world_size, device, tp_plan)
+            session.planned = planned
             stopped_by = train(session)
         except RuntimeError as e:
             why = distributed.peer_failure(e)
@@ -107,6 +117,8 @@ def run(cfg: Config, tp_plan: TPPlan | None = None) -> int:
         return stopped_by
     finally:
         distributed.abandon_distributed()
+        if planned is not None:
+            planned.close()
         if lock is not None:
             lock.close()
 
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None, tp_plan: TPPlan | None = None,
     try:
         cfg = parse_config(argv, description, require_file=True)
         check_run(cfg, distributed.world_size(), tp_plan, check_layout)
-        return exit_status(run(cfg, tp_plan))
+        return exit_status(run(cfg, tp_plan, argv))
     except PeerError as e:
         forget_last_exit(cfg, argv, started)
         report(e)

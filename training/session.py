@@ -26,6 +26,7 @@ from parallel.layout import Layout, Mesh
 from parallel.parallelize import TPPlan, copy_sharded
 from prepare import prepare_on_all_ranks
 from storage.rundir import RunDir
+from training.planned import PlannedPeak
 from training.resume import claim_checkpoint_dir, resume_point
 from training.step import Trainable, build_trainable
 
@@ -45,6 +46,8 @@ class Session(Trainable):
     """What changed since the checkpoint that the run carries over (for the start-up line)."""
     tasks: list[Task] = dataclasses.field(default_factory=list)
     """The [[eval.tasks]], read and tokenized."""
+    planned: PlannedPeak | None = None
+    """plan.py's run beside this one, on rank 0 when the run records its peak (for the start-up line)."""
 
 
 def build(cfg: Config, rank: int, world_size: int, device: torch.device, tp_plan: TPPlan | None = None,
@@ -129,7 +132,8 @@ def params_description(m) -> str:
 
 
 def start_line(s: Session, fpt: float) -> str:
-    """The one line a run prints when it starts: layout, model, corpus, attention and loss, where it starts from."""
+    """The one line a run prints when it starts: layout, model, corpus, attention and loss, where it starts from, and
+    plan.py's peak when the run records its own (training/planned.py)."""
     cfg, mesh = s.cfg, s.mesh
     # numpy token files do not count their documents (meta.json's -1), so the sum leaves them out
     uncounted = " (and numpy files' uncounted)" if any(t.n_documents < 0 for t in s.corpus.sources) else ""
@@ -140,7 +144,8 @@ def start_line(s: Session, fpt: float) -> str:
             f"corpus {s.meta['n_tokens']:,} tokens in {s.meta['n_documents']} docs{uncounted}, "
             f"{s.corpus.n_train} train / {s.corpus.n_val} val sequences{s.corpus.describe()} | {loss_description(cfg, mesh)} | {start}"
             + s.runner.describe()
-            + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s))
+            + (f" | {s.resume_note}" if s.resume_note else "") + guard_description(s)
+            + (s.planned.describe() if s.planned is not None else ""))
 
 
 def guard_description(s: Session) -> str:
