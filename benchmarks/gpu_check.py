@@ -26,6 +26,9 @@ Checks (each prints one PASS/FAIL line with its figures), in this order (CHECKS)
             1e-2 of the largest value, with empty experts; and both times
   speed     llama3_1b, compiled, seq 2048 and 8192 x bf16, float8 tensorwise, float8 rowwise x full
             and chunked loss: tokens/s, MFU against 989 TFLOP/s, peak memory (gpu_speed.py)
+  plan      (only with --only plan: about 5 minutes more) plan.py's peak and tokens/s for llama3_1b (bf16, eager and compiled, seq 2048 and 8192, micro-batches
+            4 and 16, full and chunked loss) against the real step's, and the MFU of the layout --search picks
+            (gpu_plan.py; goals: eager peak within 5%, tokens/s within 15%, MFU above the preset's 50.6%)
   goals     over the speed rows: bf16 MFU >= 45%, float8 tensorwise >= 1.2x bf16 tokens/s
 
 Runs in one process (torchrun is not needed). Exit status 0 when every check that ran passed.
@@ -48,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import gpu_plan  # noqa: E402
 import gpu_speed  # noqa: E402
 import gpu_train_checks  # noqa: E402
 from core.cli import ArgumentParser, number  # noqa: E402
@@ -251,12 +255,16 @@ CHECKS: list[Check] = [
                            "empty experts", lambda c: check_moe(c.device)),
     Check("speed", lambda a: gpu_speed.plan(a.steps), lambda c: gpu_speed.check_speed(c.args.steps, c.mesh,
                                                                                         c.device)),
+    Check("plan", lambda a: gpu_plan.plan_lines(), lambda c: gpu_plan.check_plan(c.args.steps, c.mesh, c.device)),
     Check("goals", lambda a: "goals: over the speed rows (needs speed): bf16 MFU >= 45%, float8 tensorwise >= "
                              "1.2x bf16 tokens/s", lambda c: gpu_speed.goals(c.results.get("speed", {}).get(
                                  "rows", []))),
 ]
 """Every check, in run order; a new one is one entry here (its name becomes an --only choice)."""
 NAMES = [c.name for c in CHECKS]
+OPT_IN = ("plan",)
+"""Checks run only when --only names them: the plan row adds about 5 minutes, and the default run must fit a
+10-minute device call."""
 
 
 def plan(args) -> list[str]:
@@ -272,7 +280,8 @@ def plan(args) -> list[str]:
 def parse(argv):
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit; needs no GPU")
-    p.add_argument("--only", default=",".join(NAMES), help=f"comma list of checks among {', '.join(NAMES)}")
+    p.add_argument("--only", default=",".join(n for n in NAMES if n not in OPT_IN),
+                   help=f"comma list of checks among {', '.join(NAMES)} (default: all but {', '.join(OPT_IN)})")
     p.add_argument("--steps", type=number(int, lambda v: v >= 1, "an int >= 1"), default=10,
                    help="timed steps of each speed row")
     p.add_argument("--json", default="", help="also write the results here")

@@ -7,20 +7,34 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import gpu_check  # noqa: E402
+import gpu_plan  # noqa: E402
 import gpu_speed  # noqa: E402
 
 
 def test_dry_run_prints_one_line_per_check_and_every_speed_row(capsys):
     assert gpu_check.main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.rstrip().splitlines()
-    assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == gpu_check.NAMES
+    assert [line.split(":")[0] for line in lines if not line.startswith(" ")] == \
+        [n for n in gpu_check.NAMES if n != "plan"]  # the plan row runs when named (it adds minutes)
     assert gpu_check.NAMES == ["nccl", "bf16", "flex", "chunked", "cp", "pp", "ep", "offload", "float8", "snapshot", "moe",
-                               "speed", "goals"]
+                               "speed", "plan", "goals"]
     speed = next(line for line in lines if line.startswith("speed:"))
     assert "llama3_1b" in speed and "10 timed steps" in speed
     rows = [line.strip() for line in lines if line.startswith("  speed row: ")]
     assert len(rows) == 12 and rows[0] == "speed row: seq 2048, bf16, loss full"
     assert "speed row: seq 8192, rowwise, loss chunks of 4096" in rows
+    assert gpu_check.main(["--dry-run", "--only", "plan"]) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    assert lines[0].startswith("plan: llama3_1b") and len(lines) == 1 + len(gpu_plan.SETTINGS)
+
+
+@pytest.mark.slow
+def test_the_plan_rows_command_line_is_one_plan_py_accepts(tmp_path):
+    """Device time is scarce: the plan row's plan.py command must not fail there for a flag (the largest setting)."""
+    s = gpu_plan.SETTINGS[-1]
+    p = gpu_plan.read_plan(gpu_plan.start_plan(s.overrides(), "h200", str(tmp_path / "p.json")), str(tmp_path / "p.json"))
+    assert p["seq_len"] == s.seq_len == 8192 and p["global_batch_size"] == s.micro_batch and p["gpu"] == "h200"
+    assert p["total_params"] > 1.2e9 and p["ranks"][0]["peak_bytes"] > 0
 
 
 def test_the_multi_gpu_checks_skip_with_fewer_than_2_gpus():
