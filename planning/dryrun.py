@@ -256,18 +256,20 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
             held = {}
             with account_step(tr.model, tr.optimizer) as step:
                 train_step(tr, batches, lambda model: held.update(held_bytes(model, tr.optimizer)))
-    # Gradient accumulation repeats the first micro-batch's collectives (the last one's end the step).
-    first = step.marks[1] if n < n_micro and len(step.marks) > 1 else ({}, {}, 0, 0)
-    ops = step.ops + (n_micro - n) * first[2]
-    dtensor_ops = step.dtensor_ops + (n_micro - n) * first[3]
+    # Gradient accumulation: each micro-batch not run repeats the first's collectives and operators (the last one's
+    # end the step).
+    more = n_micro - n
+    first_comm, first_calls, first_ops, first_dtensor_ops = step.marks[1] if more and len(step.marks) > 1 \
+        else ({}, {}, 0, 0)
+    ops, dtensor_ops = step.ops + more * first_ops, step.dtensor_ops + more * first_dtensor_ops
     comm, calls, groups = {}, {}, {}
     for key in step.comm:
         kind, ranks = key
         group = role_of(layout, ranks, rank)
         groups[group] = list(ranks)
         name = f"{kind} {group}"
-        comm[name] = comm.get(name, 0) + step.comm[key] + (n_micro - n) * first[0].get(key, 0)
-        calls[name] = calls.get(name, 0) + step.calls[key] + (n_micro - n) * first[1].get(key, 0)
+        comm[name] = comm.get(name, 0) + step.comm[key] + more * first_comm.get(key, 0)
+        calls[name] = calls.get(name, 0) + step.calls[key] + more * first_calls.get(key, 0)
     passes = getattr(tr.runner, "n_microbatches", n_micro)
     return RankPlan(rank, layout.stages(rank)[0], passes, held, step.peak_bytes, step.at_peak, comm, calls, groups,
                     ops, dtensor_ops)
