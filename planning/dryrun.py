@@ -198,8 +198,33 @@ def static_stages(cfg: Config, layout: Layout):
         outputs = torch.empty(micro, seq, m.vocab_size, device=device) if index == n_stages - 1 else hidden
         return real(module, index, n_stages, device, input_args=inputs, output_args=outputs, group=group)
 
-    with mock.patch.object(pipelining, "PipelineStage", stage):
+    schedules = pipelining.schedules
+    issue = schedules._batch_p2p
+
+    def batch_p2p(ops, desc=None):  # a work per op, or one for a mixed batch (batch_isend_irecv)
+        works = issue(ops, desc)
+        return [HeldWork(w, [op.tensor for op in (ops if len(works) != len(ops) else [ops[i]])])
+                for i, w in enumerate(works)]
+
+    with mock.patch.object(pipelining, "PipelineStage", stage), mock.patch.object(schedules, "_batch_p2p", batch_p2p):
         yield
+
+
+class HeldWork:
+    """A fake world's send or receive that keeps its tensors until it is waited on, as NCCL's work does (its
+    tensors are stashed until wait(), for the caching allocator's safety) and gloo's does at least until the peer
+    has them: the fake one completes at once and keeps none, which left the sends that an interleaved schedule
+    waits on late out of its plan's peak (3.8-4.8% under the real one's; 0.6-2.1% over, with this)."""
+
+    def __init__(self, work, tensors: list[torch.Tensor]):
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args, **kwargs):
+        self.tensors = []
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
 
 
 def role_of(layout: Layout, ranks: tuple[int, ...], rank: int) -> str:
