@@ -17,6 +17,7 @@ from config import Config, validate_layout
 from model import num_params
 from parallel.composition import check_composition
 from parallel.layout import Layout
+from parallel.memory import check_fits
 from planning.dryrun import RankPlan, dry_run, planned_ranks
 from planning.estimate import StepEstimate, estimate, flops_per_step
 from planning.gpus import GIB, GPU, rank_memory
@@ -147,14 +148,29 @@ def trainer_of(cfg: Config) -> str:
     return "train_2d.py" if cfg.parallel.tp > 1 else "train_fsdp.py"
 
 
-def check_layout_run(cfg: Config, world_size: int, gpus_per_node: int) -> None:
-    """The trainer's checks that need no device, data or collective, in its order (command.check_run):
-    composition, the TP plan's layout checks (train_2d.py), then config.validate_layout. Raises the trainer's
-    UserError."""
+def check_layout_run(cfg: Config, world_size: int, gpus_per_node: int, gpu: GPU) -> None:
+    """The trainer's checks that need no data or collective, in its order (command.check_run): composition, the TP
+    plan's layout checks (train_2d.py), config.validate_layout, then parallel.memory.check_fits against gpu's memory
+    (check_floor: parameters, gradients and optimizer state, which rule a layout out before any dry run). Raises
+    the trainer's UserError."""
     check_composition(cfg, trainer_of(cfg))
     if cfg.parallel.tp > 1:
         train_2d.check_tp_layout(cfg, world_size)
     validate_layout(cfg, world_size, gpus_per_node)
+    check_floor(cfg, world_size, gpus_per_node, gpu)
+
+
+def check_floor(cfg: Config, world_size: int, gpus_per_node: int, gpu: GPU) -> None:
+    """parallel.memory.check_fits, the trainer's own, against gpu's memory (or the cpu entry's, shared by the
+    node's ranks); nothing under parallel.cpu_offload, whose host memory the GPU table does not know. Raises its
+    SetupError. The floor is the same for every layout but HSDP's, so --search checks it once, first."""
+    if cfg.parallel.cpu_offload:
+        return
+    shared = gpus_per_node if gpu.cores else 0
+    where = (f"CPU memory, shared by {gpus_per_node} ranks" if shared > 1 else "CPU memory") if gpu.cores \
+        else f"the {gpu.name}'s memory"
+    check_fits(cfg.model, cfg.optim.name, world_size, cfg.parallel.dp_replicate, rank_memory(gpu, gpus_per_node),
+               where, shared)
 
 
 def plan_run(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, max_load: float = 1.0) -> Plan:
@@ -164,7 +180,7 @@ def plan_run(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, max_loa
     cfg is not changed (a copy is planned: eager, no memory tracking of its own). Raises the
     trainer's UserError for a layout it refuses.
     """
-    check_layout_run(cfg, world_size, gpus_per_node)
+    check_layout_run(cfg, world_size, gpus_per_node, gpu)
     cfg = copy.deepcopy(cfg)
     notes = []
     if cfg.train.compile:

@@ -17,7 +17,7 @@ import shlex
 from config import Config
 from core.errors import SetupError, UserError
 from planning.gpus import GIB, GPU
-from planning.planner import Plan, device_total, plan_run, size, trainer_of
+from planning.planner import Plan, check_floor, device_total, plan_run, size, trainer_of
 
 TP = (1, 2, 4, 8)
 PP = (1, 2, 4)
@@ -86,7 +86,9 @@ def search(cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int, batch_giv
            log=print, pinned: frozenset = frozenset()) -> list[Candidate]:
     """Plan every candidate layout (activation checkpointing 'full' only where 'none' does not fit); returns them all,
     the fitting ones first, fastest first. log(line): progress, one line per plan. pinned: the 'section.field's the
-    user gave, which every candidate keeps at the config's value."""
+    user gave, which every candidate keeps at the config's value. Raises planner.check_floor's SetupError when
+    the parameters, gradients and optimizer state alone do not fit."""
+    check_floor(cfg, world_size, gpus_per_node, gpu)  # one line, before any candidate, for a model too big for all
     tried, seen = [], set()
     for base in candidates(cfg, world_size, gpus_per_node):
         base = {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) if k in pinned else v
