@@ -233,8 +233,8 @@ def test_bad_pretokenized_input_is_one_line_naming_the_file(raw_corpus, tmp_path
                                       tmp_path)
     assert "matches no megatron file" in _check(
         DataConfig(dataset=str(tmp_path / "nothing_*"), format="megatron", tokenizer=tok), tmp_path)
-    assert "is a URL" in _check(DataConfig(dataset="s3://bucket/corpus_text_document", format="megatron",
-                                           tokenizer=tok), tmp_path)
+    assert "a tokens source is copied by preparation from local files" in _check(  # megatron etc.: test_pretok_s3
+        DataConfig(dataset="s3://bucket/tokens/*.parquet", format="tokens", tokenizer=tok), tmp_path)
     os.remove(tmp_path / "big.idx")
     assert "has no" in _check(DataConfig(dataset=str(tmp_path / "big"), format="megatron", tokenizer=tok), tmp_path)
     write_datatrove(str(tmp_path / "x.ds"), docs)
