@@ -85,6 +85,15 @@ def size(url: str) -> int:
     return _SIZES[url]
 
 
+def sizes(urls: list[str]) -> list[int]:
+    """Each file's size in bytes (-1 when absent): one LIST per folder of the files no listing has seen yet."""
+    unseen = sorted({posixpath.dirname(u) for u in urls if u not in _SIZES})
+    for folder in unseen:
+        fs = _fs(folder)
+        _listed(fs, folder, fs._strip_protocol(folder))
+    return [_SIZES.get(u, -1) for u in urls]
+
+
 def isfile(url: str) -> bool:
     """Whether an object is at url (from the last listing, else one HEAD)."""
     try:

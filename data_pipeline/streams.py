@@ -48,7 +48,8 @@ class TokenStream:
 
     def file_sizes(self) -> list[int]:
         """Each shard's size in bytes now (-1 for a missing local file): a listing's for a URL, os.stat's else."""
-        return [ranged.size(p) if is_url(p) else os.path.getsize(p) if os.path.isfile(p) else -1 for p in self.paths]
+        remote = dict(zip(urls := [p for p in self.paths if is_url(p)], ranged.sizes(urls)))
+        return [remote[p] if is_url(p) else os.path.getsize(p) if os.path.isfile(p) else -1 for p in self.paths]
 
     def prefetch(self, ranges: list[tuple[int, int]]) -> None:
         """Fetch what the token ranges [(start, stop)] of remote shards need, in one concurrent batch, so that the

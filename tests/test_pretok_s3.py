@@ -97,6 +97,8 @@ def test_windows_are_ranged_reads_through_a_bounded_cache(shards, monkeypatch):
     stream.prefetch([(100, 117), (15000, 15017)])  # one concurrent batch, then served from the cache
     before = ranged.CACHE.fetched
     assert stream[15000:15017].tolist() == flat[15000:15017].tolist() and ranged.CACHE.fetched == before
+    monkeypatch.setattr(ranged, "_SIZES", {})  # a process that has listed nothing yet: one LIST of the folder
+    assert stream.file_sizes() == [os.path.getsize(root / "meg" / f"s{i}_text_document.bin") for i in range(3)]
 
 
 def test_a_glob_or_prefix_that_matches_nothing_in_the_bucket_is_one_line(shards, tok, tmp_path, monkeypatch,
