@@ -49,8 +49,9 @@ SCAN_SAMPLES, SCAN_BLOCK = 256, 1 << 16
 REMOTE_SCAN_SAMPLES, REMOTE_SCAN_BLOCK = 64, 1 << 12
 """The start-up scan of a source in an object store: 64 spread blocks of 4,096 tokens (a full scan would download
 it; every window is checked when a batch is built, as for a large local source)."""
-EOS_SAMPLES = 1024
-"""Document ends read at start to check that documents end with the tokenizer's EOS id."""
+EOS_SAMPLES, REMOTE_EOS_SAMPLES = 1024, 64
+"""Document ends read at start to check that documents end with the tokenizer's EOS id (REMOTE_: of a source in an
+object store, where each is a request: another tokenizer's EOS fails at every document end, so 64 find it)."""
 
 
 class Shard:
@@ -328,9 +329,11 @@ def check_ids(stream: TokenStream, vocab_size: int, where: Callable[[int], str])
 
 def check_eos(src, shards: list[Shard], eos_id: int, eos_name: str) -> None:
     """DataError when documents of src do not end with eos_id: EOS_SAMPLES document ends (from the index) spread over
-    the source, or each shard's last token for numpy (the file cannot say where documents end)."""
+    the source (REMOTE_EOS_SAMPLES in an object store), or each shard's last token for numpy (the file cannot say
+    where documents end)."""
     ends = [(s, int(e) - 1) for s in shards for e in (s.doc_ends if s.doc_ends is not None else [s.n_tokens])]
-    pick = ends if len(ends) <= EOS_SAMPLES else [ends[int(k)] for k in np.linspace(0, len(ends) - 1, EOS_SAMPLES)]
+    n = REMOTE_EOS_SAMPLES if any(is_url(s.path) for s in shards) else EOS_SAMPLES
+    pick = ends if len(ends) <= n else [ends[int(k)] for k in np.linspace(0, len(ends) - 1, n)]
     pick = [(s, pos) for s, pos in pick if pos >= 0]
     size = {id(s): s.dtype.itemsize for s, _ in pick}
     fetched = iter(_read_ranges(src, [(s.path, pos * size[id(s)], (pos + 1) * size[id(s)])

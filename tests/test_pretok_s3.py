@@ -94,6 +94,8 @@ def test_windows_are_ranged_reads_through_a_bounded_cache(shards, monkeypatch):
     for a in (5, 9000, 20000, 5):  # the last is a block the cache dropped: read again
         assert stream[a:a + 17].tolist() == flat[a:a + 17].tolist()
     assert ranged.CACHE.fetched <= 5 * 2 * 4096 < total and ranged.CACHE._bytes <= 3 * 4096
+    for a, b in ((5, 22), (9000, 9017), (20000, 20017), (2000, 2100)):  # the last needs the oldest block and one more
+        assert stream[a:b].tolist() == flat[a:b].tolist()
     stream.prefetch([(100, 117), (15000, 15017)])  # one concurrent batch, then served from the cache
     before = ranged.CACHE.fetched
     assert stream[15000:15017].tolist() == flat[15000:15017].tolist() and ranged.CACHE.fetched == before
