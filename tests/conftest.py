@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
 
+import fsspec  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -192,7 +193,11 @@ def s3(tmp_path_factory):
     proc, env = start_server(S3_BUCKET)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # fsspec keeps an S3FileSystem per set of arguments, and the endpoint is not one of them: a module after another
+    # module's server would reach the stopped one (through 10 retries each)
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
     yield env
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
