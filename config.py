@@ -292,6 +292,8 @@ def check_pretokenized(d: DataConfig, model: ModelArgs, run_dir: str) -> None:
     meta = os.path.join(RunDir(run_dir).data, "meta.json")
     records = read_meta(RunDir(run_dir).data)["sources"] if os.path.isfile(meta) else {}
     for src in srcs:
+        if is_url(src.dataset) and src.format != "tokens":  # read in place from the bucket: reachable, with credentials
+            check_location(src.dataset, src.field("dataset"))
         if src.format == "tokens":  # materialised by preparation, which checks its ids; here its files and column
             token_rows.token_files(src)
             continue

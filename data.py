@@ -316,8 +316,7 @@ class SourceTokens:
         self.vocab_size = vocab_size if "shards" in record else None
         if "shards" in record:
             self.tokens = TokenStream(record["shards"])
-            for path, dtype, n in record["shards"]:
-                size = os.path.getsize(path) if os.path.isfile(path) else -1
+            for (path, dtype, n), size in zip(record["shards"], self.tokens.file_sizes()):
                 if size != np.dtype(dtype).itemsize * n:
                     raise DataError(f"source '{name}': '{path}' holds {max(size, 0):,} bytes, not the {n:,} "
                                     f"{dtype} tokens it had when the run started; the corpus changed under the run: "
@@ -336,6 +335,12 @@ class SourceTokens:
         if val_fraction > 0 and n >= 2:
             self.n_val = max(1, self.n_val)
         self.n_train = n - self.n_val
+
+    def prefetch(self, indices: list[int]) -> None:
+        """Fetch the windows of indices in one concurrent batch when the stream is read from an object store (a
+        ranged read each, through data_pipeline/ranged.py's cache); nothing for mapped files."""
+        if isinstance(self.tokens, TokenStream) and self.tokens.remote:
+            self.tokens.prefetch([(i * self.seq_len, i * self.seq_len + self.seq_len + 1) for i in indices])
 
     def sample(self, index: int) -> np.ndarray:
         """Window index of the stream (train: 0 <= index < n_train; validation after it) as int64, seq_len + 1 tokens."""
@@ -390,6 +395,8 @@ class PackedCorpus:
     def batches(self, pairs, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Windows [(source number, window index)], in order, as [(inputs, labels)] of (<= micro_batch_size, seq_len) int64 each."""
         pairs = list(pairs)
+        for s, source in enumerate(self.sources):  # an object store's windows: one concurrent batch, not one by one
+            source.prefetch([i for k, i in pairs if k == s])
         return [inputs_labels(torch.from_numpy(np.stack([self.sample(i, s) for s, i in pairs[k:k + micro_batch_size]])))
                 for k in range(0, len(pairs), micro_batch_size)]
 

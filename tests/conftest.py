@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
 
+import fsspec  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -35,6 +36,7 @@ from launch import (  # noqa: E402
 )
 from parallel import distributed  # noqa: E402
 from parallel.float8 import quiet_torchao_logs  # noqa: E402
+from s3server import start_server  # noqa: E402
 
 quiet_torchao_logs()  # tests import transformers, whose LlamaForCausalLM imports torchao
 
@@ -178,3 +180,28 @@ def single_rank_group():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+S3_BUCKET = "tests"
+"""The bucket the `s3` fixture's server holds."""
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """The AWS_* variables of a fresh moto_server (tests/s3server.py) with S3_BUCKET, set in this process too while
+    the module runs (each test module that asks gets its own server)."""
+    proc, env = start_server(S3_BUCKET)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    # fsspec keeps an S3FileSystem per set of arguments, and the endpoint is not one of them: a module after another
+    # module's server would reach the stopped one (through 10 retries each)
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+    yield env
+    fsspec.get_filesystem_class("s3").clear_instance_cache()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    proc.kill()
+    proc.wait(timeout=30)

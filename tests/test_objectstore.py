@@ -34,11 +34,12 @@ from launch import (
 )
 from model import PRESETS, ModelArgs, Transformer
 from parallel import distributed
-from s3server import Relay, start_server
+from s3server import Relay
 from storage import fs
 from training import rollback
 
 BUCKET = "tests"
+"""The bucket of conftest.py's `s3` fixture (S3_BUCKET)."""
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +49,6 @@ def published(s3, tmp_path_factory) -> str:
     prepared_data_dir(rd)  # tokenized once per session; prepare.py finds it prepared and publishes it
     assert prepare.main(["--config", DEBUG, "--run_dir", str(rd), "--data.prepared", url]) == 0
     return url
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """The AWS_* variables of a fresh moto_server with BUCKET, set in this process too while the module runs."""
-    proc, env = start_server(BUCKET)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield env
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    proc.kill()
-    proc.wait(timeout=30)
 
 
 def _refused(monkeypatch, capsys, *argv) -> str:

@@ -233,8 +233,8 @@ def test_bad_pretokenized_input_is_one_line_naming_the_file(raw_corpus, tmp_path
                                       tmp_path)
     assert "matches no megatron file" in _check(
         DataConfig(dataset=str(tmp_path / "nothing_*"), format="megatron", tokenizer=tok), tmp_path)
-    assert "is a URL" in _check(DataConfig(dataset="s3://bucket/corpus_text_document", format="megatron",
-                                           tokenizer=tok), tmp_path)
+    assert "a tokens source is copied by preparation from local files" in _check(  # megatron etc.: test_pretok_s3
+        DataConfig(dataset="s3://bucket/tokens/*.parquet", format="tokens", tokenizer=tok), tmp_path)
     os.remove(tmp_path / "big.idx")
     assert "has no" in _check(DataConfig(dataset=str(tmp_path / "big"), format="megatron", tokenizer=tok), tmp_path)
     write_datatrove(str(tmp_path / "x.ds"), docs)
@@ -468,10 +468,22 @@ def test_a_changed_corpus_is_refused_before_any_collective(raw_corpus, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_mixture_with_a_megatron_source_resumes_at_another_world_size(tmp_path):
-    """Raw text and Megatron sources with a stage at step 2: 4 steps at 2 ranks, and 2 steps at 2 ranks then a resume
-    at 1 rank to step 4, give the same losses (up to the reduction order)."""
-    from launch import DEBUG, losses, prepared_data_dir, torchrun
+def test_a_mixture_with_a_megatron_source_sigkilled_resumes_at_another_world_size(tmp_path):
+    """Raw text and Megatron sources with a stage from step 3: a run on 2 ranks SIGKILLed (every process, as a node
+    failure) once step 3 is logged, resumed from its checkpoint of step 2 on 1 rank across the stage change to step
+    4, gives the uninterrupted 2-rank run's losses (up to the reduction order), one record per step."""
+    from launch import (
+        DEBUG,
+        REFERENCE_BATCH,
+        kill_tree,
+        losses,
+        metrics,
+        prepared_data_dir,
+        spawn,
+        torchrun,
+        torchrun_command,
+        wait_for_step,
+    )
     cache = tmp_path / "cache"
     prepared_data_dir(cache)
     meta = data.read_meta(str(cache / "data"))["sources"]["default"]
@@ -495,13 +507,18 @@ start_step = 2
 weights = {{ meg = 0.8, text = 0.2 }}
 """)
     common = ["--config", config, "--data.tokenizer", cache / "data" / "tokenizer.json", "--train.val_interval", "0",
-              "--checkpoint.interval", "2"]
-    torchrun(2, "train_fsdp.py", *common, "--run_dir", tmp_path / "whole", "--train.steps", "4")
-    torchrun(2, "train_fsdp.py", *common, "--run_dir", tmp_path / "split", "--train.steps", "2")
-    torchrun(1, "train_fsdp.py", *common, "--run_dir", tmp_path / "split", "--train.steps", "4")
-    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
-    assert sorted(split) == [1, 2, 3, 4]
-    assert all(abs(split[s] - whole[s]) <= 1e-4 * abs(whole[s]) for s in whole), (whole, split)
+              "--checkpoint.interval", "2", "--train.steps", "4", *REFERENCE_BATCH]
+    torchrun(2, "train_fsdp.py", *common, "--run_dir", tmp_path / "whole")
+    killed = tmp_path / "killed"
+    p = spawn(torchrun_command(2, "train_fsdp.py", *common, "--run_dir", killed), tmp_path / "killed.log")
+    wait_for_step(killed, 3, p)
+    kill_tree(p.pid)
+    assert p.wait(timeout=60) != 0, "the run finished before it was killed"
+    resumed = torchrun(1, "train_fsdp.py", *common, "--run_dir", killed).stdout
+    assert "resumed from" in resumed and "at step 2" in resumed, resumed[-2000:]
+    whole, got = losses(tmp_path / "whole"), losses(killed)
+    assert [r["step"] for r in metrics(killed) if "loss" in r] == list(range(1, 5))
+    assert all(abs(got[s] - whole[s]) <= 1e-4 * abs(whole[s]) for s in whole), (whole, got)
 
 
 @pytest.mark.parametrize("world", [2, 4])
