@@ -210,3 +210,15 @@ def test_the_first_command_search_prints_trains_with_the_planned_peak(world, tmp
     for r in records[1:]:  # the first step creates the optimizer state; the plan is of the steps after
         assert abs(r["peak_bytes_max"] - want) <= PEAK_RTOL * want, (r, want)
     assert os.path.isfile(os.path.join(ROOT, words[3]))
+
+
+@pytest.mark.slow
+def test_a_run_whose_plan_fails_says_why_on_its_start_line_and_never_waits_past_its_bound(tmp_path):
+    from training.planned import PlannedPeak
+    bad = PlannedPeak(["--config", str(tmp_path / "none.toml")], 2, 2, "cpu", 300.0)
+    line = bad.describe()
+    assert line.startswith(" | peak not planned: plan.py exited 2: error: ") and "none.toml" in line, line
+    assert not os.path.exists(bad.json_path)
+    slow = PlannedPeak(["--config", DEBUG], 2, 2, "cpu", 0.4)  # a quarter of 0.4 s: no dry run is that fast
+    assert slow.describe() == " | peak not planned: plan.py took over 0.1 s (run it on its own: docs/planning.md)"
+    assert slow.proc.poll() is not None and not os.path.exists(slow.json_path)

@@ -98,7 +98,7 @@ def run(cfg: Config, tp_plan: TPPlan | None = None, argv: list[str] | None = Non
     lock = lock_run_dir(cfg.run_dir) if rank0 else None
     kind = distributed.resolve_device(cfg.train.device).type
     planned = PlannedPeak(list(sys.argv[1:] if argv is None else argv), distributed.world_size(),
-                          distributed.local_world_size(), kind) \
+                          distributed.local_world_size(), kind, cfg.train.collective_timeout_s) \
         if rank0 and (kind == "cuda" or cfg.train.track_memory) else None
     try:
         rank, world_size, device = distributed.init_distributed(cfg.train.device)

@@ -15,8 +15,9 @@ import sys
 import tempfile
 
 PLAN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plan.py")
-WAIT_S = 300
-"""How long the start line waits for plan.py; docs/planning.md's slowest dry run (405B at 2,048 ranks) took 53 s."""
+WAIT_S = 120
+"""The longest the start line waits for plan.py (docs/planning.md's slowest dry run, 405B at 2,048 ranks, took 53 s),
+and at most a quarter of train.collective_timeout_s: the other ranks wait in the first step's collectives meanwhile."""
 LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
                 "MASTER_PORT")
 """torchrun's variables, which plan.py must not take for its own (it plans every rank from one process)."""
@@ -26,7 +27,9 @@ class PlannedPeak:
     """plan.py started on argv (the training command's arguments) for world_size ranks, local_world per node;
     describe() waits for it and says its peak."""
 
-    def __init__(self, argv: list[str], world_size: int, local_world: int, device_type: str):
+    def __init__(self, argv: list[str], world_size: int, local_world: int, device_type: str,
+                 collective_timeout_s: float):
+        self.wait_s = min(WAIT_S, collective_timeout_s / 4)
         fd, self.json_path = tempfile.mkstemp(prefix="plan-", suffix=".json")
         os.close(fd)
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
@@ -36,12 +39,12 @@ class PlannedPeak:
 
     def describe(self) -> str:
         """' | peak planned 1.23 GiB (1,320,702,443 bytes, ...)' for the start line, or ' | peak not planned:
-        why' when plan.py failed or took over WAIT_S seconds. Never raises: the run does not depend on its plan."""
+        why' when plan.py failed or took over wait_s seconds. Never raises: the run does not depend on its plan."""
         try:
-            _, err = self.proc.communicate(timeout=WAIT_S)
+            _, err = self.proc.communicate(timeout=self.wait_s)
         except subprocess.TimeoutExpired:
             self.close()
-            return f" | peak not planned: plan.py took over {WAIT_S} s"
+            return f" | peak not planned: plan.py took over {self.wait_s:g} s (run it on its own: docs/planning.md)"
         try:
             if self.proc.returncode != 0:
                 lines = (err or "").strip().splitlines()
