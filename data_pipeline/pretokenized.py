@@ -300,8 +300,13 @@ def _entries(src, paths: list[str], parse: Callable[[str, bytes | None], Entry],
             fetched = _fetch(src, [k[0] for k in missing])
         parsed = [parse(k[0], fetched.get(k[0], b"")) for k in missing]
     elif missing:
-        with ThreadPoolExecutor(min(READ_THREADS, len(missing))) as pool:
-            parsed = list(pool.map(lambda k: parse(k[0], None), missing))  # in order: the first bad file's error
+        # a run of files per thread, not a task per file: a task costs more than reading a small index from the
+        # page cache; results (and the first bad file's error) come back in path order
+        step = -(-len(missing) // READ_THREADS)
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            runs = pool.map(lambda run: [parse(k[0], None) for k in run],
+                            [missing[a:a + step] for a in range(0, len(missing), step)])
+            parsed = [e for run in runs for e in run]
     for k, e in zip(missing, parsed if missing else []):
         index_cache.put(k, e)
         got[k] = e
@@ -404,9 +409,9 @@ def check_ids(stream: TokenStream, vocab_size: int, where: Callable[[int], str])
 
 
 def check_eos(src, shards: list[Shard], eos_id: int, eos_name: str) -> None:
-    """DataError when documents of src do not end with eos_id: EOS_SAMPLES document ends (from the index) spread over
-    the source (REMOTE_EOS_SAMPLES in an object store), or each shard's last token for numpy (the file cannot say
-    where documents end)."""
+    """DataError when documents of src do not end with eos_id: EOS_SAMPLES document ends (of those each shard keeps
+    from its index, Shard.doc_ends) spread over the source (REMOTE_EOS_SAMPLES in an object store), or each shard's
+    last token for numpy (the file cannot say where documents end)."""
     ends = [(s, int(e) - 1) for s in shards for e in (s.doc_ends if s.doc_ends is not None else [s.n_tokens])]
     n = REMOTE_EOS_SAMPLES if any(is_url(s.path) for s in shards) else EOS_SAMPLES
     pick = ends if len(ends) <= n else [ends[int(k)] for k in np.linspace(0, len(ends) - 1, n)]
