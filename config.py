@@ -24,7 +24,7 @@ from checkpoint import CheckpointConfig, CheckpointError, newest_checkpoint, rea
 from core import cli
 from core.errors import ConfigError, SetupError
 from data import DataConfig, read_meta
-from data_pipeline import datacache, mixture, pretokenized, token_rows
+from data_pipeline import datacache, index_cache, mixture, pretokenized, token_rows
 from data_pipeline.sources import check_source
 from data_pipeline.tokenizer import eos_name, load_tokenizer, separator_ids
 from evaluation.downstream import EvalConfig, check_tasks
@@ -291,6 +291,7 @@ def check_pretokenized(d: DataConfig, model: ModelArgs, run_dir: str) -> None:
     eos, _ = separator_ids(path, d.eos_token, d.bos_token, tok)
     meta = os.path.join(RunDir(run_dir).data, "meta.json")
     records = read_meta(RunDir(run_dir).data)["sources"] if os.path.isfile(meta) else {}
+    index_cache.load(RunDir(run_dir).data)  # a resume: what the indexes said, by content key, not the indexes
     for src in srcs:
         if is_url(src.dataset) and src.format != "tokens":  # read in place from the bucket: reachable, with credentials
             check_location(src.dataset, src.field("dataset"))

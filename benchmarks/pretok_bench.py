@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import prepare  # noqa: E402
 from config import check_pretokenized  # noqa: E402
 from data import DataConfig, PackedCorpus  # noqa: E402
-from data_pipeline import ranged  # noqa: E402
+from data_pipeline import index_cache, ranged  # noqa: E402
 from data_pipeline.loader import GlobalBatchLoader  # noqa: E402
 from model import ModelArgs  # noqa: E402
 from pretok_writers import write_datatrove, write_megatron, write_numpy  # noqa: E402
@@ -131,8 +131,12 @@ def write_shards(root: str, n: int, numpy_too: bool = True) -> str:
 
 
 def time_start(cfg: DataConfig, data_dir: str) -> dict:
-    """Seconds of a first start's checks, record and mapping, and of a resume's three together."""
+    """Seconds of a first start's checks, record and mapping, and of a resume's three together; each as a new process
+    starts it (index_cache's memo and the block cache emptied, so only RUN_DIR/data/index_cache.npz carries over), with
+    the number of indexes parsed from their files."""
     model = ModelArgs(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, n_kv_heads=2)
+    index_cache.clear()
+    ranged.CACHE.clear()
     t0 = time.perf_counter()
     check_pretokenized(cfg, model, os.path.dirname(data_dir))
     t1 = time.perf_counter()
@@ -140,11 +144,16 @@ def time_start(cfg: DataConfig, data_dir: str) -> dict:
     t2 = time.perf_counter()
     PackedCorpus(data_dir, cfg, VOCAB)
     t3 = time.perf_counter()
+    first_reads = index_cache.stats["read"]
+    index_cache.clear()
+    ranged.CACHE.clear()
+    tr = time.perf_counter()
     check_pretokenized(cfg, model, os.path.dirname(data_dir))
     prepare.prepare(cfg, data_dir)
     PackedCorpus(data_dir, cfg, VOCAB)
     t4 = time.perf_counter()
-    return {"checks_s": t1 - t0, "record_s": t2 - t1, "map_s": t3 - t2, "start_s": t3 - t0, "resume_start_s": t4 - t3}
+    return {"checks_s": t1 - t0, "record_s": t2 - t1, "map_s": t3 - t2, "start_s": t3 - t0,
+            "resume_start_s": t4 - tr, "indexes_read": first_reads, "resume_indexes_read": index_cache.stats["read"]}
 
 
 def startup(root: str, tok: str, counts: list[int]) -> dict:
@@ -190,7 +199,7 @@ def s3_rows(root: str, tok: str, a) -> dict:
             rate["fetched_bytes_per_token"] = ranged.CACHE.fetched / (rate["windows"] * a.seq_len)
             out[f"megatron s3, steps of {batch} windows"] = rate
         if a.s3_shards:
-            folder = write_shards(root, a.s3_shards, numpy_too=False)
+            folder = write_shards(os.path.join(root, "s3_src"), a.s3_shards, numpy_too=False)  # beside --shards'
             fs.put(folder + "/", f"bench/shards_{a.s3_shards}", recursive=True)
             cfg = DataConfig(dataset=f"s3://bench/shards_{a.s3_shards}", format="megatron", tokenizer=tok, seq_len=64,
                              val_fraction=0.0)

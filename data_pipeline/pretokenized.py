@@ -27,12 +27,14 @@ import hashlib
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
 
 from data import DataError, token_dtype
-from data_pipeline import ranged
+from data_pipeline import index_cache, ranged
+from data_pipeline.index_cache import Entry
 from data_pipeline.streams import TokenStream
 from storage.fs import is_url
 
@@ -52,16 +54,30 @@ it; every window is checked when a batch is built, as for a large local source).
 EOS_SAMPLES, REMOTE_EOS_SAMPLES = 1024, 64
 """Document ends read at start to check that documents end with the tokenizer's EOS id (REMOTE_: of a source in an
 object store, where each is a request: another tokenizer's EOS fails at every document end, so 64 find it)."""
+ENDS_KEPT = EOS_SAMPLES
+"""Document ends a Shard keeps (and the index cache stores) per shard, evenly spaced, the last among them: check_eos
+samples from them, so neither memory nor the cache grows with a shard's documents (an index of 1B documents is 8 GB
+of ends)."""
+READ_WHOLE = 1 << 26
+"""Local indexes up to this many bytes (64 MiB) are read into memory once (parsed and hashed from the same bytes);
+larger ones are mapped and hashed in blocks."""
+READ_THREADS = 16
+"""Local indexes read at once: a shared file system answers each open with a round trip, so 10,000 indexes read one
+after the other wait 10,000 latencies."""
 
 
 class Shard:
-    """One token file of a source: path, dtype, n_tokens, and doc_ends (token offsets where documents end, or None)."""
+    """One token file of a source: path, dtype, n_tokens, n_docs (its documents, -1 when the file does not count
+    them), and doc_ends (token offsets where documents end: all of them up to ENDS_KEPT, else ENDS_KEPT evenly
+    spaced ones with the last; None for numpy)."""
 
     def __init__(self, path: str, dtype: np.dtype, n_tokens: int, doc_ends: np.ndarray | None, index: str | None,
-                 index_sha256: str | None = None):
-        """index_sha256: the index's checksum when its bytes were fetched (an object store), else read when asked."""
+                 index_sha256: str | None = None, n_docs: int | None = None):
+        """index_sha256: the index's checksum when known (read with it), else read when asked; n_docs: default the
+        number of doc_ends."""
         self.path, self.dtype, self.n_tokens, self.doc_ends, self.index = path, np.dtype(dtype), n_tokens, doc_ends, index
         self.index_sha256 = index_sha256
+        self.n_docs = n_docs if n_docs is not None else -1 if doc_ends is None else len(doc_ends)
 
     def record(self) -> list:
         """[path, dtype name, n_tokens]: what meta.json keeps to map the shard again."""
@@ -118,9 +134,14 @@ def megatron_prefixes(src) -> list[str]:
     if not prefixes:
         raise DataError(f"{_field(src)}: '{src.dataset}' matches no Megatron .bin/.idx pair; give the path without "
                         f".bin/.idx, as Megatron's --data-path takes it")
+    listed = set(files)  # a folder or glob lists both files of a pair: no stat for them (10,000 pairs: 40,000 stats)
+
+    def there(path: str) -> bool:
+        return path in listed or _isfile(path)
+
     for p in prefixes:
         for have, need in ((".bin", ".idx"), (".idx", ".bin")):
-            if _isfile(p + have) and not _isfile(p + need):
+            if there(p + have) and not there(p + need):
                 raise DataError(f"{_field(src)}: '{p}{have}' has no '{p}{need}' beside it; a megatron source needs "
                                 f"both (Megatron-Core's IndexedDatasetBuilder writes them together)")
     return prefixes
@@ -175,88 +196,144 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _megatron_shard(prefix: str, want: str, data: bytes | None = None) -> Shard:
-    dtype, lengths, pointers, docs = read_megatron_index(prefix + ".idx", data)
-    digest = hashlib.sha256(data).hexdigest() if data is not None else None
+def _spread(ends: np.ndarray) -> np.ndarray:
+    """At most ENDS_KEPT of the document ends, evenly spaced, the first and last among them (int64)."""
+    if len(ends) > ENDS_KEPT:
+        ends = ends[np.linspace(0, len(ends) - 1, ENDS_KEPT).astype(np.int64)]
+    return np.asarray(ends, dtype=np.int64).copy()
+
+
+def _index_bytes(path: str) -> bytes | None:
+    """A local index's bytes when it is at most READ_WHOLE bytes (read once, parsed and hashed), else None (mapped)."""
+    if os.path.getsize(path) > READ_WHOLE:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _megatron_entry(path: str, data: bytes | None) -> Entry:
+    """What a Megatron .idx at path says (its bytes data, or read here). Raises DataError for a damaged index."""
+    data = _index_bytes(path) if data is None else data
+    dtype, lengths, pointers, docs = read_megatron_index(path, data)
+    digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(path)
     if len(lengths) == 0:
-        return Shard(prefix + ".bin", dtype, 0, np.zeros(0, np.int64), prefix + ".idx", digest)  # refused as empty
-    if want and np.dtype(want) != dtype:
-        raise DataError(f"'{prefix}.idx' holds {dtype.name} tokens but data.token_dtype is {want}; leave "
-                        f"data.token_dtype empty for megatron (the index says) or make them agree")
-    n = int(lengths.astype(np.int64).sum())
+        return Entry(dtype.name, 0, 0, np.zeros(0, np.int64), digest)  # refused as empty
     expect = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * dtype.itemsize
     if not np.array_equal(pointers, expect):
-        raise DataError(f"'{prefix}.idx' has sequences that are not back to back in its .bin; rewrite it with "
+        raise DataError(f"'{path}' has sequences that are not back to back in its .bin; rewrite it with "
                         f"Megatron-Core's IndexedDatasetBuilder")
+    if len(docs) < 1 or docs[0] != 0 or docs[-1] != len(lengths) or np.any(np.diff(docs) < 0):
+        raise DataError(f"'{path}': its document indices do not run from 0 up to its {len(lengths)} "
+                        f"sequences; the index is damaged: copy it again")
+    ends = np.cumsum(lengths, dtype=np.int64)[docs[1:] - 1]
+    return Entry(dtype.name, int(lengths.astype(np.int64).sum()), len(ends), _spread(ends), digest)
+
+
+def _megatron_shard(prefix: str, want: str, e: Entry) -> Shard:
+    """The shard of prefix from its index's entry e, checked against data.token_dtype (want) and its .bin's size."""
+    dtype, n = np.dtype(e.dtype), e.n_tokens
+    if n and want and np.dtype(want) != dtype:
+        raise DataError(f"'{prefix}.idx' holds {dtype.name} tokens but data.token_dtype is {want}; leave "
+                        f"data.token_dtype empty for megatron (the index says) or make them agree")
     size = _getsize(prefix + ".bin")
-    if size != n * dtype.itemsize:
+    if n and size != n * dtype.itemsize:
         raise DataError(f"'{prefix}.bin' holds {size:,} bytes but its .idx says {n * dtype.itemsize:,} ({n:,} "
                         f"{dtype.name} tokens): {'truncated' if size < n * dtype.itemsize else 'longer'}; copy the "
                         f"pair again")
-    if len(docs) < 1 or docs[0] != 0 or docs[-1] != len(lengths) or np.any(np.diff(docs) < 0):
-        raise DataError(f"'{prefix}.idx': its document indices do not run from 0 up to its {len(lengths)} "
-                        f"sequences; the index is damaged: copy it again")
-    ends = np.cumsum(lengths, dtype=np.int64)[docs[1:] - 1] if len(lengths) else np.zeros(0, np.int64)
-    return Shard(prefix + ".bin", dtype, n, ends, prefix + ".idx", digest)
+    return Shard(prefix + ".bin", dtype, n, e.ends, prefix + ".idx", e.sha256, e.n_docs)
 
 
-def _numpy_shard(path: str, dtype: np.dtype, head: bytes | None = None) -> Shard:
-    """head: the file's first 6 bytes when they were fetched (an object store)."""
+def _numpy_entry(path: str, head: bytes | None) -> Entry:
+    """A numpy token file's check (head: its first 6 bytes when fetched, else read here): DataError for an np.save
+    file; the entry records that it is not one (the file records no dtype, count or documents)."""
+    if head is None:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    if head == b"\x93NUMPY":
+        raise DataError(f"'{path}' is an np.save file (with a header); data.format numpy reads raw token "
+                        f"memmaps as OLMo writes them (array.tofile or np.memmap)")
+    return Entry("", -1, -1, None, None)
+
+
+def _numpy_shard(path: str, dtype: np.dtype) -> Shard:
     size = _getsize(path)
     if size % dtype.itemsize:
         raise DataError(f"'{path}' is {size:,} bytes, not a whole number of {dtype.name} tokens; check "
                         f"data.token_dtype (uint16 or uint32)")
-    with open(path, "rb") if head is None else contextlib.nullcontext() as f:
-        if (f.read(6) if head is None else head) == b"\x93NUMPY":
-            raise DataError(f"'{path}' is an np.save file (with a header); data.format numpy reads raw token "
-                            f"memmaps as OLMo writes them (array.tofile or np.memmap)")
     return Shard(path, dtype, size // dtype.itemsize, None, None)
 
 
-def _datatrove_shard(path: str, dtype: np.dtype, data: bytes | None = None) -> Shard:
-    """data: the index's bytes when they were fetched (an object store); else it is read from the file."""
-    index = path + ".index"
-    if data is None and not _isfile(index):
-        raise DataError(f"'{path}' has no '{index}' beside it; datatrove's DocumentTokenizer writes the document "
-                        f"ends there (save_index)")
-    size, isize = _getsize(path), os.path.getsize(index) if data is None else len(data)
+def _datatrove_entry(index: str, data: bytes | None) -> Entry:
+    """What a datatrove .ds.index says (its bytes data, or read here). Raises DataError for a damaged index."""
+    data = _index_bytes(index) if data is None else data
+    isize = os.path.getsize(index) if data is None else len(data)
     if isize % 8:
         raise DataError(f"'{index}' is {isize} bytes, not a whole number of uint64 document ends; it is damaged")
     ends = (np.fromfile(index, dtype="<u8") if data is None else np.frombuffer(data, dtype="<u8")).astype(np.int64)
     if ends.size and (np.any(np.diff(ends) < 0) or ends[0] < 0):
         raise DataError(f"'{index}' has document ends that go backwards; it is damaged")
-    n = int(ends[-1]) if ends.size else 0
+    digest = hashlib.sha256(data).hexdigest() if data is not None else _sha256(index)
+    return Entry("", int(ends[-1]) if ends.size else 0, len(ends), _spread(ends), digest)
+
+
+def _datatrove_shard(path: str, dtype: np.dtype, e: Entry) -> Shard:
+    size, n = _getsize(path), e.n_tokens
     if size != n * dtype.itemsize:
-        raise DataError(f"'{path}' is {size:,} bytes but '{index}' ends its last document at token {n:,} "
+        raise DataError(f"'{path}' is {size:,} bytes but '{path}.index' ends its last document at token {n:,} "
                         f"({n * dtype.itemsize:,} bytes of {dtype.name}): "
                         f"{'truncated' if size < n * dtype.itemsize else 'longer, or another data.token_dtype'}")
-    return Shard(path, dtype, n, ends, index, hashlib.sha256(data).hexdigest() if data is not None else None)
+    return Shard(path, dtype, n, e.ends, path + ".index", e.sha256, e.n_docs)
+
+
+def _entries(src, paths: list[str], parse: Callable[[str, bytes | None], Entry], head: int = 0) -> list[Entry]:
+    """The index_cache entries of the files at paths: from the cache by content key, the rest parsed (and cached):
+    fetched in one concurrent batch from an object store (their first head bytes only, when head), read by
+    READ_THREADS threads locally. Raises DataError (parse's, or a failed fetch's)."""
+    keys = [index_cache.key(p) for p in paths]  # before the reads: a file changed after it gets a new key next time
+    got = {k: index_cache.get(k) for k in keys}
+    missing = [k for k in keys if got[k] is None]
+    if missing and is_url(src.dataset):
+        if head:
+            fetched = dict(zip((k[0] for k in missing if k[1] >= head),
+                               _read_ranges(src, [(k[0], 0, head) for k in missing if k[1] >= head])))
+        else:
+            fetched = _fetch(src, [k[0] for k in missing])
+        parsed = [parse(k[0], fetched.get(k[0], b"")) for k in missing]
+    elif missing:
+        # a run of files per thread, not a task per file: a task costs more than reading a small index from the
+        # page cache; results (and the first bad file's error) come back in path order
+        step = -(-len(missing) // READ_THREADS)
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            runs = pool.map(lambda run: [parse(k[0], None) for k in run],
+                            [missing[a:a + step] for a in range(0, len(missing), step)])
+            parsed = [e for run in runs for e in run]
+    for k, e in zip(missing, parsed if missing else []):
+        index_cache.put(k, e)
+        got[k] = e
+    return [got[k] for k in keys]
 
 
 def open_shards(src, vocab_size: int) -> list[Shard]:
     """Every shard of a pre-tokenized source src (SourceConfig of format megatron, numpy or datatrove), sorted by path.
 
     vocab_size: the tokenizer's, for the default dtype of datatrove files (numpy needs data.token_dtype).
-    Reads only indexes and file sizes: from an object store, the sizes from one listing and the
-    indexes (and numpy files' first bytes) in one concurrent batch. Raises DataError for bad input
-    (the message of each check).
+    Reads only indexes and file sizes, and each index only when index_cache has no entry for its
+    content key: from an object store, the sizes from one listing and the indexes (and numpy files'
+    first bytes) in one concurrent batch; locally, READ_THREADS at once. Raises DataError for bad
+    input (the message of each check).
     """
-    want, remote = src.token_dtype or "", is_url(src.dataset)
+    want = src.token_dtype or ""
     if src.format == "megatron":
         prefixes = megatron_prefixes(src)
-        indexes = _fetch(src, [p + ".idx" for p in prefixes]) if remote else {}
-        shards = [_megatron_shard(p, want, indexes.get(p + ".idx")) for p in prefixes]
+        entries = _entries(src, [p + ".idx" for p in prefixes], _megatron_entry)
+        shards = [_megatron_shard(p, want, e) for p, e in zip(prefixes, entries)]
     elif src.format == "numpy":
         if not want:  # a wrong guess reads uint32 files as pairs of uint16 ids, refused later for the wrong reason
             raise DataError(f"{src.field('token_dtype')}: a numpy source's files do not record their dtype; give "
                             f"--data.token_dtype uint16 or uint32, the one they were written with")
         files = expand_files(src, (".npy",))
-        heads = {}
-        if remote:
-            heads = {f: b"" for f in files}
-            heads.update(zip((f for f in files if ranged.size(f) >= 6),
-                             _read_ranges(src, [(f, 0, 6) for f in files if ranged.size(f) >= 6])))
-        shards = [_numpy_shard(p, np.dtype(want), heads.get(p)) for p in files]
+        shards = [_numpy_shard(p, np.dtype(want)) for p in files]
+        _entries(src, files, _numpy_entry, head=6)
     else:
         dtype = np.dtype(want or token_dtype(vocab_size))  # DocumentTokenizer's token_size rule (datatrove 0.10)
         # DocumentTokenizer leaves FILE.ds.index, .ds.loss and .ds.metadata beside each FILE.ds: a glob of the
@@ -265,8 +342,12 @@ def open_shards(src, vocab_size: int) -> list[Shard]:
         if not files:
             raise DataError(f"{_field(src)}: '{src.dataset}' matches no datatrove .ds file; give a .ds file, a "
                             f"folder or a glob of them")
-        indexes = _fetch(src, [p + ".index" for p in files if ranged.isfile(p + ".index")]) if remote else {}
-        shards = [_datatrove_shard(p, dtype, indexes.get(p + ".index")) for p in files]
+        for p in files:
+            if not _isfile(p + ".index"):
+                raise DataError(f"'{p}' has no '{p}.index' beside it; datatrove's DocumentTokenizer writes the "
+                                f"document ends there (save_index)")
+        entries = _entries(src, [p + ".index" for p in files], _datatrove_entry)
+        shards = [_datatrove_shard(p, dtype, e) for p, e in zip(files, entries)]
     for s in shards:
         if s.n_tokens == 0:
             raise DataError(f"{_field(src)}: shard '{s.path}' holds no token; remove it or regenerate it")
@@ -328,9 +409,9 @@ def check_ids(stream: TokenStream, vocab_size: int, where: Callable[[int], str])
 
 
 def check_eos(src, shards: list[Shard], eos_id: int, eos_name: str) -> None:
-    """DataError when documents of src do not end with eos_id: EOS_SAMPLES document ends (from the index) spread over
-    the source (REMOTE_EOS_SAMPLES in an object store), or each shard's last token for numpy (the file cannot say
-    where documents end)."""
+    """DataError when documents of src do not end with eos_id: EOS_SAMPLES document ends (of those each shard keeps
+    from its index, Shard.doc_ends) spread over the source (REMOTE_EOS_SAMPLES in an object store), or each shard's
+    last token for numpy (the file cannot say where documents end)."""
     ends = [(s, int(e) - 1) for s in shards for e in (s.doc_ends if s.doc_ends is not None else [s.n_tokens])]
     n = REMOTE_EOS_SAMPLES if any(is_url(s.path) for s in shards) else EOS_SAMPLES
     pick = ends if len(ends) <= n else [ends[int(k)] for k in np.linspace(0, len(ends) - 1, n)]
@@ -357,7 +438,7 @@ def describe(src, vocab_size: int) -> dict:
     the file does not count them), "shards" [[path, dtype, n_tokens]], "files" (identity)}."""
     shards = open_shards(src, vocab_size)
     dtypes = sorted({s.dtype.name for s in shards})
-    docs = [len(s.doc_ends) for s in shards if s.doc_ends is not None]
+    docs = [s.n_docs for s in shards if s.doc_ends is not None]
     return {"format": src.format, "dtype": dtypes[0] if len(dtypes) == 1 else "+".join(dtypes),
             "n_tokens": sum(s.n_tokens for s in shards), "n_documents": sum(docs) if len(docs) == len(shards) else -1,
             "shards": [s.record() for s in shards], "files": identity(shards), "config": src.reading()}
@@ -395,6 +476,7 @@ def record_in_place(src, meta: dict, out_dir: str) -> bool:
     A record made earlier must still describe the files (identity): a corpus that
     changed under a run is refused, as for raw sources.
     """
+    index_cache.load(out_dir)  # a resume reads the entries, not the indexes (usually loaded already by the checks)
     record = meta["sources"].get(src.name)
     if record is not None:
         now = identity(open_shards(src, meta["vocab_size"]))
@@ -406,6 +488,13 @@ def record_in_place(src, meta: dict, out_dir: str) -> bool:
     print(f"[data] source '{src.name}' ({src.dataset}) read in place: {record['format']}, "
           f"{len(record['shards']):,} shard(s), {record['n_tokens']:,} {record['dtype']} tokens", flush=True)
     return True
+
+
+def index_paths(record: dict) -> list[str]:
+    """The files index_cache keys for a source's meta.json record: each shard's index (the file itself for numpy)."""
+    fmt = record["format"]
+    return [p[:-4] + ".idx" if fmt == "megatron" else p + ".index" if fmt == "datatrove" else p
+            for p, _, _ in record["shards"]]
 
 
 MEGATRON_CODES = {"uint16": 8, "uint32": 4}

@@ -34,6 +34,12 @@ and 128 windows (at most 2 blocks each), so a step's prefetched blocks are still
 
 _SIZES: dict[str, int] = {}
 """url -> size in bytes, from the listings made by expand (and HEADs made by size): the process's view."""
+_STAMPS: dict[str, str] = {}
+"""url -> "ETag|LastModified" from the same listings: what changes when an object is written again (stamp)."""
+
+
+def _stamp_of(info: dict) -> str:
+    return f"{info.get('ETag', '')}|{info.get('LastModified', '')}"
 
 
 def _fs(url: str):
@@ -50,7 +56,9 @@ def _listed(fs, url: str, folder: str) -> dict[str, dict]:
         entries = {i["name"].rstrip("/"): i for i in fs.ls(folder, detail=True)}
     except FileNotFoundError:
         return {}
-    _SIZES.update({_url(url, n): int(i["size"]) for n, i in entries.items() if i["type"] == "file"})
+    files = {_url(url, n): i for n, i in entries.items() if i["type"] == "file"}
+    _SIZES.update({u: int(i["size"]) for u, i in files.items()})
+    _STAMPS.update({u: _stamp_of(i) for u, i in files.items()})
     return entries
 
 
@@ -84,6 +92,16 @@ def size(url: str) -> int:
         fs = _fs(url)
         _SIZES[url] = int(fs.size(fs._strip_protocol(url)))
     return _SIZES[url]
+
+
+def stamp(url: str) -> str:
+    """The object's "ETag|LastModified" (index_cache's content key), from the last listing or one HEAD;
+    FileNotFoundError when absent."""
+    if url not in _STAMPS:
+        fs = _fs(url)
+        info = fs.info(fs._strip_protocol(url))
+        _SIZES[url], _STAMPS[url] = int(info["size"]), _stamp_of(info)
+    return _STAMPS[url]
 
 
 def sizes(urls: list[str]) -> list[int]:

@@ -13,8 +13,9 @@ import s3fs
 import data
 import prepare
 from config import check_pretokenized
+from core.errors import UserError
 from data import DataConfig, PackedCorpus
-from data_pipeline import pretokenized, ranged
+from data_pipeline import index_cache, pretokenized, ranged
 from data_pipeline.loader import GlobalBatchLoader
 from data_pipeline.tokenizer import train_tokenizer
 from model import ModelArgs
@@ -81,6 +82,41 @@ def test_a_source_in_a_bucket_reads_the_writers_documents_and_the_local_batches(
         loader = GlobalBatchLoader(PackedCorpus(str(run / "data"), cfg, 300), 8, 8, 0, 1, 0)
         batches.append([[t.tolist() for pair in loader.next_step() for t in pair] for _ in range(6)])
     assert batches[0] == batches[1]
+
+
+def test_a_resume_from_the_bucket_fetches_no_index_and_an_object_written_again_is_refused(shards, tok, tmp_path,
+                                                                                           monkeypatch):
+    """A first start fetches each index once (the checks; preparation's record takes them from the process), a
+    resume none (RUN_DIR/data/index_cache.npz, by ETag), with the same batches; an index written again under its
+    name (other documents, the same sizes) has another ETag, is fetched again and refused as a changed corpus."""
+    root, parts = shards
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.put(str(root / "meg") + "/", "tests/resume/meg", recursive=True)
+    cfg = _cfg("megatron", "s3://tests/resume/meg", tok, seq_len=16, val_fraction=0.05)
+    model = ModelArgs(vocab_size=300, dim=16, n_layers=1, n_heads=2, n_kv_heads=2)
+    fetched, fetch = [], ranged.fetch
+    monkeypatch.setattr(ranged, "fetch", lambda urls: fetched.extend(urls) or fetch(urls))
+
+    def start():
+        check_pretokenized(cfg, model, str(tmp_path / "run"))
+        prepare.prepare(cfg, str(tmp_path / "run" / "data"))
+        loader = GlobalBatchLoader(PackedCorpus(str(tmp_path / "run" / "data"), cfg, 300), 8, 8, 0, 1, 0)
+        return [[t.tolist() for pair in loader.next_step() for t in pair] for _ in range(3)]
+
+    index_cache.clear()  # each start as a new process: only the cache file carries over
+    first = start()
+    assert sorted(fetched) == [f"s3://tests/resume/meg/s{i}_text_document.idx" for i in range(3)]
+    index_cache.clear()
+    fetched.clear()
+    assert start() == first and fetched == []
+    write_megatron(str(tmp_path / "s1_text_document"), parts[1][::-1])
+    for ext in (".bin", ".idx"):
+        fs.put(str(tmp_path / f"s1_text_document{ext}"), f"tests/resume/meg/s1_text_document{ext}")
+    index_cache.clear()
+    with pytest.raises(UserError, match="changed since the run recorded it"):
+        start()
+    assert fetched == ["s3://tests/resume/meg/s1_text_document.idx"]
+    index_cache.clear()
 
 
 def test_windows_are_ranged_reads_through_a_bounded_cache(shards, monkeypatch):
