@@ -33,7 +33,7 @@ from config import check_run_dir, parse_config
 from core.cli import exit_command
 from core.errors import ConfigError, UserError, report
 from data import DEFAULT_SOURCE, DataConfig, DataError, SourceConfig, read_meta, token_dtype
-from data_pipeline import index_cache, pretokenized, token_rows
+from data_pipeline import index_cache, megatron_index, pretokenized, token_rows
 from data_pipeline.datacache import publish
 from data_pipeline.mixture import weight_shares
 from data_pipeline.sources import check_source, files_record, iter_documents, source_changed, source_units, txt_notice
@@ -356,7 +356,7 @@ def _finish_prepare(out_dir: str, tmp: str, work: str, meta: dict, changed: bool
     shutil.rmtree(os.path.join(work, PARTS), ignore_errors=True)
     if cfg.prepared_format == "megatron":
         eos, _ = separator_ids(os.path.join(work, "tokenizer.json"), cfg.eos_token, cfg.bos_token)
-        pretokenized.index_streams(work, meta, eos)
+        megatron_index.index_streams(work, meta, eos)
     in_place = [meta["sources"][s.name] for s in cfg.source_list() if "shards" in meta["sources"].get(s.name, {})]
     index_cache.save(work, [p for r in in_place for p in pretokenized.index_paths(r)])  # renamed with tmp, or alone
     if changed:

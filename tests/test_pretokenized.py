@@ -19,7 +19,7 @@ import prepare
 from config import Config, check_pretokenized, check_tokenizer
 from core.errors import UserError
 from data import DataConfig, DataError, SourceConfig
-from data_pipeline import pretokenized, tokenizer
+from data_pipeline import megatron_index, pretokenized, tokenizer
 from model import ModelArgs
 from pretok_writers import write_datatrove, write_megatron, write_numpy
 from test_data import _prepare_on_ranks
@@ -70,7 +70,7 @@ def test_our_megatron_writer_is_megatron_cores(tmp_path):
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"real{ext}").read_bytes() == (tmp_path / f"ours{ext}").read_bytes()
     # prepare.py's own index (data.prepared_format megatron) is the builder's too, and Megatron-Core reads it
-    pretokenized.write_megatron_index(str(tmp_path / "prepared.idx"), [len(d) for d in docs], "uint16")
+    megatron_index.write_megatron_index(str(tmp_path / "prepared.idx"), [len(d) for d in docs], "uint16")
     assert (tmp_path / "prepared.idx").read_bytes() == (tmp_path / "real.idx").read_bytes()
     shutil.copyfile(tmp_path / "real.bin", tmp_path / "prepared.bin")
     read = indexed.IndexedDataset(str(tmp_path / "prepared"))
