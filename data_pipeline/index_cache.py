@@ -103,7 +103,7 @@ def save(folder: str, paths: list[str]) -> bool:
         if k in _ENTRIES:
             keys.append(k)
     target = os.path.join(folder, FILE)
-    if _file_keys(target) == keys:
+    if not keys or _file_keys(target) == keys:  # no source read in place (raw text only), or nothing new
         return False
     rows, parts, at = [], [], 0
     for k in keys:
