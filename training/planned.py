@@ -35,19 +35,21 @@ class PlannedPeak:
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("TORCHELASTIC_")}
         cmd = [sys.executable, PLAN, *argv, "--world_size", str(world_size), "--gpus_per_node", str(local_world),
                "--gpu", "cpu" if device_type == "cpu" else "h100", "--json", self.json_path]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.err = tempfile.TemporaryFile(mode="w+")  # not a pipe: plan.py's warnings must not fill it and stall it
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.err, text=True, env=env)
 
     def describe(self) -> str:
         """' | peak planned 1.23 GiB (1,320,702,443 bytes, ...)' for the start line, or ' | peak not planned:
         why' when plan.py failed or took over wait_s seconds. Never raises: the run does not depend on its plan."""
         try:
-            _, err = self.proc.communicate(timeout=self.wait_s)
+            self.proc.wait(timeout=self.wait_s)
         except subprocess.TimeoutExpired:
             self.close()
             return f" | peak not planned: plan.py took over {self.wait_s:g} s (run it on its own: docs/planning.md)"
         try:
             if self.proc.returncode != 0:
-                lines = (err or "").strip().splitlines()
+                self.err.seek(0)
+                lines = self.err.read().strip().splitlines()
                 return f" | peak not planned: plan.py exited {self.proc.returncode}" + (f": {lines[-1]}" if lines else "")
             with open(self.json_path) as f:
                 peak = max(r["peak_bytes"] for r in json.load(f)["ranks"])
@@ -63,6 +65,7 @@ class PlannedPeak:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self.err.close()
         try:
             os.remove(self.json_path)
         except OSError:
