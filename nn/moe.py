@@ -24,7 +24,7 @@ The routed experts are 3-D parameters: w1, w3 (n_experts, expert_ffn_dim, dim), 
 (n_experts, dim, expert_ffn_dim). Tokens are sorted by expert and each projection is one
 grouped matmul (nn/grouped_mm.py: torch._grouped_mm on CPU in fp32, bf16, fp16 and on CUDA in bf16;
 a loop over the experts, the same math, where the kernel does not run). Sorting and unsorting
-are index ops on the device: no host sync outside the loop.
+are index ops on the device: no host sync there.
 Layer 1: imports torch, nn/grouped_mm.py and nn/roles.py only; no distributed code.
 """
 from __future__ import annotations
@@ -138,9 +138,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)
         ids, weights, scores, logits = self.route(flat)
         choice = ids.flatten()  # (tokens * k): token t's j-th expert at t * k + j
-        # scatter_add_, not bincount: CUDA's bincount asks the host for the largest id (a sync)
-        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=choice.device)
-        counts.scatter_add_(0, choice, torch.ones_like(choice))
+        # bincount syncs on CUDA (it reads the largest id), but planning/dryrun.py plants the planned load through it
+        counts = torch.bincount(choice, minlength=self.n_experts)
         order = torch.argsort(choice, stable=True)
         routed = self.experts(flat[order // self.top_k], counts)  # (tokens * k, dim), sorted by expert
         out = torch.empty_like(routed)
