@@ -190,7 +190,7 @@ def check_chunked(device) -> tuple[bool, str]:
 def check_moe(device) -> tuple[bool, str]:
     """The MoE experts' grouped matmul (torch._grouped_mm, bf16) against the loop over experts, forward and backward,
     with empty experts and group sizes that are not multiples of 16; and their times (median of 20 after 3)."""
-    from nn import moe
+    from nn import grouped_mm as gm
 
     if not hasattr(torch, "_grouped_mm"):
         return False, f"torch {torch.__version__} has no torch._grouped_mm"
@@ -217,14 +217,14 @@ def check_moe(device) -> tuple[bool, str]:
             times.append(time.perf_counter() - t0)
         return sorted(times[3:])[10] * 1e3
 
-    assert moe.grouped_mm_for(x) is moe.grouped_mm_cuda
-    got, want = run(moe.grouped_mm_cuda), run(moe.grouped_mm_loop)
+    assert gm.kernel_applies(x, w)
+    got, want = run(gm.grouped_mm_kernel), run(gm.grouped_mm_loop)
     diffs = [((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-9)).item()
              for a, b in zip(got, want)]
     ok = max(diffs) <= 1e-2
     return ok, (f"{n_experts} experts, {len(x)} tokens (two experts empty), {dim} -> {hidden}, bf16: max diff / max "
                 f"out {diffs[0]:.1e}, dx {diffs[1]:.1e}, dw {diffs[2]:.1e} (need <= 1e-2); forward + backward "
-                f"{timed(moe.grouped_mm_cuda):.2f} ms grouped vs {timed(moe.grouped_mm_loop):.2f} ms loop")
+                f"{timed(gm.grouped_mm_kernel):.2f} ms grouped vs {timed(gm.grouped_mm_loop):.2f} ms loop")
 
 
 CHECKS: list[Check] = [

@@ -22,9 +22,10 @@ weighted sum of the last forward, with autograd, for the step to add to the obje
 
 The routed experts are 3-D parameters: w1, w3 (n_experts, expert_ffn_dim, dim), w2
 (n_experts, dim, expert_ffn_dim). Tokens are sorted by expert and each projection is one
-grouped matmul: torch._grouped_mm on CUDA in bf16 where it exists, else a loop over the
-experts with the same math (chosen by device, as optimization/muon.py chooses its Newton-Schulz).
-Layer 1: imports torch and nn/roles.py only; no distributed code.
+grouped matmul (nn/grouped_mm.py: torch._grouped_mm on CPU in fp32, bf16, fp16 and on CUDA in bf16;
+a loop over the experts, the same math, where the kernel does not run). Sorting and unsorting
+are index ops on the device: no host sync there.
+Layer 1: imports torch, nn/grouped_mm.py and nn/roles.py only; no distributed code.
 """
 from __future__ import annotations
 
@@ -32,32 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nn.grouped_mm import grouped_mm
 from nn.roles import Role
 
 SCORES = ("softmax", "sigmoid")
-
-
-def grouped_mm_for(x: Tensor):
-    """The grouped matmul for tokens x: torch._grouped_mm on CUDA in bf16 where torch has it, else the loop.
-
-    Both compute out[rows of group e] = x[rows of group e] @ w[e].T; the loop asks the host for
-    the group sizes (a sync), the grouped kernel takes their offsets on the device.
-    """
-    if x.device.type == "cuda" and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        return grouped_mm_cuda
-    return grouped_mm_loop
-
-
-def grouped_mm_loop(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """x (tokens, n) sorted by group, w (groups, m, n), counts (groups,) int64 summing to tokens -> (tokens, m)."""
-    pieces = [xe @ w[e].T for e, xe in enumerate(x.split(counts.tolist()))]
-    return torch.cat(pieces) if pieces else x.new_zeros(0, w.shape[1])
-
-
-def grouped_mm_cuda(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """grouped_mm_loop's result by one torch._grouped_mm (bf16, Hopper and newer), with no host sync."""
-    offsets = counts.cumsum(0).to(torch.int32)
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
 
 
 class GroupedExperts(nn.Module):
@@ -83,9 +62,8 @@ class GroupedExperts(nn.Module):
 def swiglu_experts(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
     """Each group of rows of x through its expert's SwiGLU: x (tokens, dim) sorted by expert, counts (E,) int64
     summing to tokens, w1/w3 (E, F, dim), w2 (E, dim, F) plain tensors -> (tokens, dim) in x's dtype."""
-    mm = grouped_mm_for(x)
     w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
-    return mm(F.silu(mm(x, w1, counts)) * mm(x, w3, counts), w2, counts)
+    return grouped_mm(F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts), w2, counts)
 
 
 class SharedExperts(nn.Module):
@@ -160,6 +138,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)
         ids, weights, scores, logits = self.route(flat)
         choice = ids.flatten()  # (tokens * k): token t's j-th expert at t * k + j
+        # bincount syncs on CUDA (it reads the largest id), but planning/dryrun.py plants the planned load through it
         counts = torch.bincount(choice, minlength=self.n_experts)
         order = torch.argsort(choice, stable=True)
         routed = self.experts(flat[order // self.top_k], counts)  # (tokens * k, dim), sorted by expert

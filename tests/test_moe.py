@@ -30,6 +30,7 @@ from launch import (
     wait_for_step,
 )
 from model import ModelArgs, Transformer, flops_per_token, num_params
+from nn import grouped_mm
 from nn.moe import MoE
 from optimization.muon import MuonAdamW
 from parallel import distributed
@@ -94,6 +95,28 @@ def test_every_expert_path_computes_the_same_when_some_experts_get_no_token():
     x = torch.randn(1, 3, 8, dtype=torch.float64)
     torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-6)
     assert moe.counts.tolist() == [3, 3, 0, 0]
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+@pytest.mark.parametrize("idle", [False, True])
+def test_moe_in_fp32_on_cpu_runs_the_grouped_kernel_and_matches_the_per_token_reference(idle):
+    torch.manual_seed(0)
+    moe = MoE(8, 4, 2, 8, 1, "sigmoid")  # expert_ffn_dim 8: rows of 32 bytes, which the kernel takes
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    moe.expert_bias.copy_(torch.tensor([10.0, 10.0, -10.0, -10.0] if idle else [0.0, 0.3, -0.2, 0.1]))
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    with mock.patch.object(grouped_mm, "grouped_mm_kernel", wraps=grouped_mm.grouped_mm_kernel) as kernel:
+        got = moe(x)
+        params = [x, *moe.parameters()]
+        grads = torch.autograd.grad(got.sum(), params)  # .sum(): a zero-stride gradient arrives
+    assert kernel.call_count == 3  # w1, w3, w2
+    assert (moe.counts[2:] == 0).all() == idle
+    want = reference_moe(moe, x)
+    want_grads = torch.autograd.grad(want.sum(), params)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_n_experts_0_builds_and_computes_the_dense_model_from_before_moe():
