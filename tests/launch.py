@@ -234,6 +234,24 @@ def main_in_process(monkeypatch, capsys, *argv: str, world_size: int = 1) -> tup
     return rc, capsys.readouterr().err
 
 
+def evaluate_in_process(monkeypatch, capsys, *argv: str) -> tuple[int, dict | None, str]:
+    """evaluate.main(argv) in this process, as a lone rank; returns (exit status, the printed result or None, stderr).
+
+    For tests of what evaluate.py computes or refuses at 1 rank, not of its launch: saves a torchrun launch (about
+    4 CPU-s) per call. The gloo group of one it joins is left before it returns (asserted).
+    """
+    import evaluate
+
+    assert not torch.distributed.is_initialized(), "evaluate_in_process joins a group of its own"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
+    capsys.readouterr()
+    rc = evaluate.main([str(a) for a in argv])
+    assert not torch.distributed.is_initialized()
+    out, err = capsys.readouterr()
+    return rc, json.loads(out.strip().splitlines()[-1]) if rc == 0 else None, err
+
+
 def refused(main, argv, capsys) -> str:
     """main(argv) in this process must exit with status 2 and one line 'error: ...'; returns the line."""
     capsys.readouterr()

@@ -17,7 +17,17 @@ from config import parse_config
 from data_pipeline import tokenizer
 from debug_export import debug_run_dir, exported_dir
 from hf_format import from_hf_name, hf_model_type
-from launch import DEBUG, ROOT, before_any_collective, debug_run, losses, metrics, prepared_data_dir, torchrun
+from launch import (
+    DEBUG,
+    ROOT,
+    before_any_collective,
+    debug_run,
+    evaluate_in_process,
+    losses,
+    metrics,
+    prepared_data_dir,
+    torchrun,
+)
 from model import PRESETS, ModelArgs, Transformer
 from models import random_model
 
@@ -519,17 +529,20 @@ def test_bad_input_gives_one_line_errors(tmp_path, tmp_path_factory, tok_path, c
 
 
 @pytest.mark.slow
-def test_an_empty_split_is_refused_and_split_all_evaluates(tmp_path_factory, tmp_path):
+def test_an_empty_split_is_refused_and_split_all_evaluates(tmp_path_factory, tmp_path, monkeypatch, capsys):
     """'use --split all' as printed evaluates every window; a run whose tokens were removed is tokenized again."""
     run = debug_run_dir(tmp_path_factory)
 
     def evaluate(run_dir, *args, check=True):  # the first 32 windows of a split: the same ones for 'all' either way
-        proc = torchrun(1, "evaluate.py", "--run_dir", run_dir, "--max_sequences", "32", *args, timeout=300,
-                        check=check)
-        return proc if not check else json.loads(proc.stdout.strip().splitlines()[-1])
+        # In this process (evaluate.main, 1 rank): the 2-rank launch is test_perplexity_of_evaluate_...'s.
+        rc, result, err = evaluate_in_process(monkeypatch, capsys, "--run_dir", run_dir, "--max_sequences", "32",
+                                              *args)
+        if check:
+            assert rc == 0, err
+        return result if check else (rc, err)
 
-    refused = evaluate(run, "--split", "val", "--data.val_fraction", "0", check=False)
-    assert refused.returncode != 0 and "use --split all or raise --data.val_fraction" in refused.stderr
+    rc, err = evaluate(run, "--split", "val", "--data.val_fraction", "0", check=False)
+    assert rc == 2 and "use --split all or raise --data.val_fraction" in err, err
     got = evaluate(run, "--split", "all", "--data.val_fraction", "0")
     want = evaluate(run, "--split", "all")
     assert got["tokens"] == want["tokens"] and abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"]
