@@ -19,6 +19,7 @@ from launch import (
     debug_run,
     kill_tree,
     losses,
+    main_in_process,
     metrics,
     prepared_data_dir,
     spawn,
@@ -220,7 +221,7 @@ def _requeue_reads_a_clean_stop(rc: int, rd) -> bool:
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference, monkeypatch, capsys):
     rd = tmp_path / "term"
     prepared_data_dir(rd)
     _kill_after(rd, 2, 3, signal.SIGTERM, "--checkpoint.interval", "1000")
@@ -235,10 +236,19 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
     kept = {f: open(f, "rb").read() for f in _files(rd) if not f.endswith("exit.json")}
     in_file = tmp_path / "run_dir_in_file.toml"  # the run directory named by the config file alone
     in_file.write_text(open(DEBUG).read().replace('run_dir = "runs/debug"', f"run_dir = {str(rd)!r}"))
-    for bad in (("--config", DEBUG, "--run_dir", rd, "--optim.lr", "-1"),
-                ("--config", DEBUG, "--run_dir", rd, "--train.stepz", "10"), ("--config", in_file, "--train.stepz", "1")):
+    # The first two as rank 0 of 2 in this process (train_fsdp.main; its refusals come before any collective, and
+    # only rank 0 touches exit.json); the last as launched, with the command line read from sys.argv and a rank 1.
+    for bad, launched in ((("--config", DEBUG, "--run_dir", rd, "--optim.lr", "-1"), False),
+                          (("--config", DEBUG, "--run_dir", rd, "--train.stepz", "10"), False),
+                          (("--config", in_file, "--train.stepz", "1"), True)):
         (rd / "exit.json").write_text(stop)
-        rc = torchrun(2, "train_fsdp.py", *map(str, bad), *COMMON, check=False).returncode
+        if launched:
+            rc = torchrun(2, "train_fsdp.py", *map(str, bad), *COMMON, check=False).returncode
+        else:
+            try:
+                rc, _ = main_in_process(monkeypatch, capsys, *bad, *COMMON, world_size=2)
+            except SystemExit as e:  # argparse's own errors
+                rc = e.code
         assert rc != 0 and not _requeue_reads_a_clean_stop(rc, rd), bad
         assert {f: open(f, "rb").read() for f in _files(rd)} == kept
     debug_run(2, rd, *COMMON, "--checkpoint.interval", "1000")
