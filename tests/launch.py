@@ -234,6 +234,38 @@ def main_in_process(monkeypatch, capsys, *argv: str, world_size: int = 1) -> tup
     return rc, capsys.readouterr().err
 
 
+def debug_run_in_process(monkeypatch, capsys, run_dir, *overrides: str,
+                         check: bool = True) -> subprocess.CompletedProcess:
+    """debug_run(1, run_dir, *overrides) as train_fsdp.main in this process, a lone rank in a gloo group of one.
+
+    For a 1-rank run whose outcome a test compares (losses, checkpoints, its printed lines), not its launch: saves
+    torchrun's agent and the worker's start-up (about 4 CPU-s a run). Returns the finished "process" (args,
+    returncode, stdout, stderr); raises AssertionError as debug_run does when check and the status is not 0. The
+    run's SIGINT and SIGTERM handlers (distributed.StopFlag) are put back as they were, and its group is left
+    (asserted). capsys None (a module fixture, which has no capsys): stdout and stderr are not kept ("").
+    """
+    import train_fsdp
+
+    assert not torch.distributed.is_initialized(), "debug_run_in_process joins a group of its own"
+    argv = ["--config", DEBUG, "--run_dir", str(run_dir), *map(str, overrides)]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if capsys is not None:
+        capsys.readouterr()
+    try:
+        rc = train_fsdp.main(argv)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert not torch.distributed.is_initialized()
+    out, err = capsys.readouterr() if capsys is not None else ("", "")
+    proc = subprocess.CompletedProcess(["train_fsdp.main", *argv], rc, out, err)
+    if check and rc != 0:
+        raise AssertionError(f"train_fsdp.main exited {rc}:\n{(out + err)[-3000:]}")
+    return proc
+
+
 def evaluate_in_process(monkeypatch, capsys, *argv: str) -> tuple[int, dict | None, str]:
     """evaluate.main(argv) in this process, as a lone rank; returns (exit status, the printed result or None, stderr).
 
