@@ -17,6 +17,7 @@ from launch import (
     DEBUG,
     REFERENCE_ARGS,
     debug_run,
+    debug_run_in_process,
     kill_tree,
     losses,
     main_in_process,
@@ -277,13 +278,13 @@ def test_ctrl_c_finishes_the_step_on_every_rank_saves_and_resumes_the_same_run(t
 
 
 @pytest.mark.slow
-def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, reference):
+def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, reference, monkeypatch, capsys):
     # 2 ranks (reference, step 4) -> 1 rank (steps 5-6) -> 2 ranks (steps 7-10); DCP reshards each time.
     one = tmp_path / "one_rank"
     prepared_data_dir(one)
     shutil.copytree(reference / "checkpoints" / "step_00000004", one / "checkpoints" / "step_00000004")
     # All 10 steps are in the LR warmup (20 steps), so stopping at 6 does not change the schedule.
-    debug_run(1, one, *COMMON, "--train.steps", "6")
+    debug_run_in_process(monkeypatch, capsys, one, *COMMON, "--train.steps", "6")  # 1 rank, in this process
     two = tmp_path / "two_ranks"
     prepared_data_dir(two)
     shutil.copytree(one / "checkpoints" / "step_00000006", two / "checkpoints" / "step_00000006")
@@ -296,16 +297,16 @@ def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, referen
 
 
 @pytest.mark.slow
-def test_load_from_starts_a_new_run_once_then_the_run_resumes_from_its_own(tmp_path, reference):
+def test_load_from_starts_a_new_run_once_then_the_run_resumes_from_its_own(tmp_path, reference, monkeypatch, capsys):
     rd = tmp_path / "branch"
     prepared_data_dir(rd)
     start = str(reference / "checkpoints" / "step_00000004")
-    debug_run(1, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "6")
+    debug_run_in_process(monkeypatch, capsys, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "6")
     # The same command again, after more steps were asked for: it must continue from its own step 6,
     # not go back to step 4, and a step directory without .metadata must not block the save at 8.
     (rd / "checkpoints" / "step_00000008").mkdir()
     (rd / "checkpoints" / "step_00000008" / "junk").write_text("left by a deleted checkpoint")
-    proc = debug_run(1, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "8")
+    proc = debug_run_in_process(monkeypatch, capsys, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "8")
     assert "has checkpoints of its own: resuming from the newest" in proc.stdout
     assert [r["step"] for r in metrics(rd) if "loss" in r] == [5, 6, 7, 8]
     want, got = losses(reference), losses(rd)
@@ -362,7 +363,7 @@ def test_another_optimizer_on_resume_is_named_not_called_damaged(tmp_path, singl
 
 
 @pytest.mark.slow
-def test_load_from_another_run_takes_its_tokenizer(tmp_path, reference):
+def test_load_from_another_run_takes_its_tokenizer(tmp_path, reference, monkeypatch, capsys):
     """A new run from another run's checkpoint trains on its data with the checkpoint's tokenizer, not a new one: the
     same losses as the run given that tokenizer by hand (before: a tokenizer of its own, and other token ids)."""
     start = str(reference / "checkpoints" / "step_00000004")
@@ -370,8 +371,8 @@ def test_load_from_another_run_takes_its_tokenizer(tmp_path, reference):
     other_data = ["--data.max_documents", "60", "--data.tokenizer_vocab_size", "3000", "--train.steps", "6",
                   "--checkpoint.interval", "1000", "--train.val_interval", "0", "--checkpoint.load_from", start]
     taken, by_hand = tmp_path / "taken", tmp_path / "by_hand"
-    proc = debug_run(1, taken, *other_data)
-    debug_run(1, by_hand, *other_data, "--data.tokenizer", theirs)
+    proc = debug_run_in_process(monkeypatch, capsys, taken, *other_data)  # 1-rank runs, in this process
+    debug_run_in_process(monkeypatch, capsys, by_hand, *other_data, "--data.tokenizer", theirs)
     assert f"data.tokenizer {theirs}: the tokenizer checkpoint.load_from {start} was trained with" in proc.stdout
     assert parse_config(["--config", str(taken / "config.toml")]).data.tokenizer == theirs
     got, want = losses(taken), losses(by_hand)
