@@ -236,18 +236,23 @@ def main_in_process(monkeypatch, capsys, *argv: str, world_size: int = 1) -> tup
 
 def debug_run_in_process(monkeypatch, capsys, run_dir, *overrides: str,
                          check: bool = True) -> subprocess.CompletedProcess:
-    """debug_run(1, run_dir, *overrides) as train_fsdp.main in this process, a lone rank in a gloo group of one.
+    """debug_run(1, run_dir, *overrides) as train_fsdp.main in this process: train_in_process."""
+    return train_in_process(monkeypatch, capsys, "--config", DEBUG, "--run_dir", run_dir, *overrides, check=check)
+
+
+def train_in_process(monkeypatch, capsys, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    """torchrun(1, "train_fsdp.py", *argv) as train_fsdp.main in this process, a lone rank in a gloo group of one.
 
     For a 1-rank run whose outcome a test compares (losses, checkpoints, its printed lines), not its launch: saves
     torchrun's agent and the worker's start-up (about 4 CPU-s a run). Returns the finished "process" (args,
-    returncode, stdout, stderr); raises AssertionError as debug_run does when check and the status is not 0. The
+    returncode, stdout, stderr); raises AssertionError as torchrun does when check and the status is not 0. The
     run's SIGINT and SIGTERM handlers (distributed.StopFlag) are put back as they were, and its group is left
     (asserted). capsys None (a module fixture, which has no capsys): stdout and stderr are not kept ("").
     """
     import train_fsdp
 
-    assert not torch.distributed.is_initialized(), "debug_run_in_process joins a group of its own"
-    argv = ["--config", DEBUG, "--run_dir", str(run_dir), *map(str, overrides)]
+    assert not torch.distributed.is_initialized(), "train_in_process joins a group of its own"
+    argv = [str(a) for a in argv]
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -260,10 +265,9 @@ def debug_run_in_process(monkeypatch, capsys, run_dir, *overrides: str,
             signal.signal(s, h)
     assert not torch.distributed.is_initialized()
     out, err = capsys.readouterr() if capsys is not None else ("", "")
-    proc = subprocess.CompletedProcess(["train_fsdp.main", *argv], rc, out, err)
     if check and rc != 0:
         raise AssertionError(f"train_fsdp.main exited {rc}:\n{(out + err)[-3000:]}")
-    return proc
+    return subprocess.CompletedProcess(["train_fsdp.main", *argv], rc, out, err)
 
 
 def evaluate_in_process(monkeypatch, capsys, *argv: str) -> tuple[int, dict | None, str]:

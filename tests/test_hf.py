@@ -22,6 +22,7 @@ from launch import (
     ROOT,
     before_any_collective,
     debug_run,
+    debug_run_in_process,
     evaluate_in_process,
     losses,
     metrics,
@@ -410,12 +411,12 @@ MIXTRAL_FLAGS = ["--model.n_experts", "4", "--model.experts_per_token", "2", "--
 
 
 @pytest.mark.slow
-def test_moe_export_computes_our_logits_and_init_from_hf_continues_with_the_same_losses(tmp_path):
+def test_moe_export_computes_our_logits_and_init_from_hf_continues_with_the_same_losses(tmp_path, monkeypatch, capsys):
     """hf.py export of a trained Mixtral-style run: MixtralForCausalLM's logits are ours. --init_from_hf of an
     export of the run's initial weights, at ep 2, trains as the run itself did from them: the same losses."""
     run, cont = tmp_path / "run", tmp_path / "continued"
     prepared_data_dir(run)
-    debug_run(1, run, *MIXTRAL_FLAGS, "--train.steps", "3", "--checkpoint.interval", "3")
+    debug_run_in_process(monkeypatch, capsys, run, *MIXTRAL_FLAGS, "--train.steps", "3", "--checkpoint.interval", "3")
     assert hf.main(["export", "--run_dir", str(run), "--out", str(tmp_path / "mixtral")]) == 0
     ours, _ = generate.load_model(str(run))
     ref = load_hf(str(tmp_path / "mixtral"))
@@ -557,16 +558,17 @@ def test_an_empty_split_is_refused_and_split_all_evaluates(tmp_path_factory, tmp
 
 
 @pytest.mark.slow
-def test_init_from_hf_into_data_prepared_with_the_same_tokenizer(tmp_path_factory, tmp_path):
+def test_init_from_hf_into_data_prepared_with_the_same_tokenizer(tmp_path_factory, tmp_path, monkeypatch, capsys):
     """data/ prepared without data.tokenizer, with the export's own tokenizer: accepted (before: 'prepared with other
     data settings'); one step trains from the export's weights."""
     rd = tmp_path / "continued"
     prepared_data_dir(rd)  # the debug corpus, tokenized with the tokenizer the exported run used
-    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(rd), "--init_from_hf",
-                    exported_dir(tmp_path_factory), "--train.steps", "1", "--checkpoint.interval", "1000")
+    # 1-rank runs, train_fsdp.main in this process.
+    proc = debug_run_in_process(monkeypatch, capsys, rd, "--init_from_hf", exported_dir(tmp_path_factory),
+                                "--train.steps", "1", "--checkpoint.interval", "1000")
     assert f"weights from {exported_dir(tmp_path_factory)}" in proc.stdout
     assert parse_config(["--config", str(rd / "config.toml")]).data.tokenizer == ""
     # The same command again: the run's own checkpoint wins, and the start says the flag was not used.
-    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(rd), "--init_from_hf",
-                    exported_dir(tmp_path_factory), "--train.steps", "1", "--checkpoint.interval", "1000")
+    proc = debug_run_in_process(monkeypatch, capsys, rd, "--init_from_hf", exported_dir(tmp_path_factory),
+                                "--train.steps", "1", "--checkpoint.interval", "1000")
     assert "step_00000001, not --init_from_hf" in proc.stdout and "nothing to run" in proc.stdout, proc.stdout
