@@ -225,12 +225,12 @@ def main_in_process(monkeypatch, capsys, *argv: str, world_size: int = 1) -> tup
     """
     import train_fsdp
 
-    assert not torch.distributed.is_initialized(), "main_in_process joins a group of its own: not with single_rank_group"
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))  # should it get as far as the group
     capsys.readouterr()
-    rc = train_fsdp.main([str(a) for a in argv])
-    assert not torch.distributed.is_initialized()
+    with outside_single_rank_group():  # a module's single_rank_group, left meanwhile
+        rc = train_fsdp.main([str(a) for a in argv])
+        assert not torch.distributed.is_initialized()
     return rc, capsys.readouterr().err
 
 
@@ -240,6 +240,28 @@ def debug_run_in_process(monkeypatch, capsys, run_dir, *overrides: str,
     return train_in_process(monkeypatch, capsys, "--config", DEBUG, "--run_dir", run_dir, *overrides, check=check)
 
 
+def join_single_rank_group() -> None:
+    """Join a 1-rank gloo process group, for in-process tests of collective code (conftest's single_rank_group)."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0,
+                                         world_size=1)
+
+
+@contextmanager
+def outside_single_rank_group():
+    """For a command run in this process, which joins a process group of its own and leaves it: a module's
+    single_rank_group (a group of one) is left for the with-block and joined again after it, a new group of one that
+    the module's later tests use as they did the first."""
+    rejoin = torch.distributed.is_initialized()
+    if rejoin:
+        assert torch.distributed.get_world_size() == 1, "only a group of one is left and joined again"
+        torch.distributed.destroy_process_group()
+    try:
+        yield
+    finally:
+        if rejoin and not torch.distributed.is_initialized():
+            join_single_rank_group()
+
+
 def train_in_process(monkeypatch, capsys, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
     """torchrun(1, "train_fsdp.py", *argv) as train_fsdp.main in this process, a lone rank in a gloo group of one.
 
@@ -247,23 +269,24 @@ def train_in_process(monkeypatch, capsys, *argv: str, check: bool = True) -> sub
     torchrun's agent and the worker's start-up (about 4 CPU-s a run). Returns the finished "process" (args,
     returncode, stdout, stderr); raises AssertionError as torchrun does when check and the status is not 0. The
     run's SIGINT and SIGTERM handlers (distributed.StopFlag) are put back as they were, and its group is left
-    (asserted). capsys None (a module fixture, which has no capsys): stdout and stderr are not kept ("").
+    (asserted); a module's single_rank_group is left meanwhile (outside_single_rank_group). capsys None (a module
+    fixture, which has no capsys): stdout and stderr are not kept ("").
     """
     import train_fsdp
 
-    assert not torch.distributed.is_initialized(), "train_in_process joins a group of its own"
     argv = [str(a) for a in argv]
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     if capsys is not None:
         capsys.readouterr()
-    try:
-        rc = train_fsdp.main(argv)
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    assert not torch.distributed.is_initialized()
+    with outside_single_rank_group():
+        try:
+            rc = train_fsdp.main(argv)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        assert not torch.distributed.is_initialized()
     out, err = capsys.readouterr() if capsys is not None else ("", "")
     if check and rc != 0:
         raise AssertionError(f"train_fsdp.main exited {rc}:\n{(out + err)[-3000:]}")
@@ -274,16 +297,17 @@ def evaluate_in_process(monkeypatch, capsys, *argv: str) -> tuple[int, dict | No
     """evaluate.main(argv) in this process, as a lone rank; returns (exit status, the printed result or None, stderr).
 
     For tests of what evaluate.py computes or refuses at 1 rank, not of its launch: saves a torchrun launch (about
-    4 CPU-s) per call. The gloo group of one it joins is left before it returns (asserted).
+    4 CPU-s) per call. The gloo group of one it joins is left before it returns (asserted); a module's
+    single_rank_group is left meanwhile (outside_single_rank_group).
     """
     import evaluate
 
-    assert not torch.distributed.is_initialized(), "evaluate_in_process joins a group of its own"
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
     capsys.readouterr()
-    rc = evaluate.main([str(a) for a in argv])
-    assert not torch.distributed.is_initialized()
+    with outside_single_rank_group():
+        rc = evaluate.main([str(a) for a in argv])
+        assert not torch.distributed.is_initialized()
     out, err = capsys.readouterr()
     return rc, json.loads(out.strip().splitlines()[-1]) if rc == 0 else None, err
 
