@@ -20,7 +20,7 @@ import hf
 import train_fsdp
 from data_pipeline import tokenizer
 from evaluation import downstream
-from launch import DEBUG, ROOT, metrics, prepared_data_dir, refused, torchrun
+from launch import DEBUG, ROOT, metrics, prepared_data_dir, refused, torchrun, train_in_process
 from scripts.stdlib_tasks import write_tasks
 
 TASKS = ("stdlib_next", "stdlib_long")
@@ -170,7 +170,7 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_an
     one, tp2, pp2 = tmp_path / "ws1", tmp_path / "dp1tp2", tmp_path / "pp2"
     for rd in (one, tp2, pp2):
         prepared_data_dir(rd)  # the session's tokenized debug corpus: no tokenizer training per run
-    torchrun(1, "train_fsdp.py", *run, "--run_dir", str(one))
+    train_in_process(monkeypatch, capsys, *run, "--run_dir", one)  # 1 rank: train_fsdp.main in this process
     torchrun(2, "train_2d.py", *run, "--run_dir", str(tp2), "--parallel.tp", "2")  # vocabulary-parallel logits
     torchrun(2, "train_fsdp.py", *run, "--run_dir", str(pp2), "--parallel.pp", "2")  # scored stage after stage
     ours = {step: _scores(metrics(one), step) for step in (mid, end)}
