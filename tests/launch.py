@@ -78,13 +78,37 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL pid and every process under it, as a node failure would (killpg would miss the workers)."""
-    for p in [pid, *descendants(pid)]:
+def kill_tree(pid: int, timeout: float = 30) -> None:
+    """SIGKILL pid and every process under it, as a node failure would (killpg would miss the workers); return once
+    they are gone (or zombies), so that a run started next, in the test's own process too, finds the run directory's
+    lock released. The caller still reaps pid (its Popen's wait)."""
+    procs = [pid, *descendants(pid)]
+    for p in procs:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.time() + timeout
+    while any(alive(p) for p in procs) and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def wait_until_unlocked(run_dir, timeout: float = 60) -> None:
+    """Block until no process holds run_dir's lock (storage.rundir.lock_run_dir): a worker of a killed launch can
+    outlive kill_tree's look at the process tree (one its agent was still starting, which dies with its agent only
+    once it runs), and the next run, started at once in this process, would be refused as a second run."""
+    path = os.path.join(str(run_dir), ".lock")
+    deadline = time.time() + timeout
+    while os.path.exists(path):
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                pass
+        assert time.time() < deadline, f"{run_dir} is still locked {timeout} s after its run was killed"
+        time.sleep(0.05)
 
 
 def workers(agent_pid: int) -> dict[int, int]:

@@ -17,6 +17,7 @@ from launch import (
     spawn,
     torchrun_command,
     wait_for_step,
+    wait_until_unlocked,
 )
 from nn.documents import document_positions, slice_layout
 from test_2d import COMPLETEP, GRAD_RTOL, MUP, packed_tokens, rel  # noqa: F401 (packed_tokens is a fixture)
@@ -91,6 +92,7 @@ def test_sigkill_at_cp2_then_resume_at_cp1_fsdp2_and_in_2d_gives_the_uninterrupt
     for other in (two_d, fsdp2):
         prepared_data_dir(other)
         shutil.copytree(rd / "checkpoints", other / "checkpoints")
+    wait_until_unlocked(rd)  # its workers are gone: the resume starts at once, in this process
     debug_run_in_process(monkeypatch, capsys, rd, *REFERENCE_ARGS)  # cp 1 on one rank (in this process)
     debug_run(2, two_d, *REFERENCE_ARGS, "--train.steps", "7", "--parallel.tp", "2", script="train_2d.py")
     debug_run(2, fsdp2, *REFERENCE_ARGS, "--train.steps", "7")  # 2 data-parallel ranks where there was one

@@ -28,6 +28,7 @@ from launch import (
     torchrun_command,
     train_in_process,
     wait_for_step,
+    wait_until_unlocked,
 )
 from model import ModelArgs, Transformer, flops_per_token, num_params
 from nn.moe import MoE
@@ -530,6 +531,7 @@ def test_sigkill_at_ep_2_then_resume_on_1_rank_gives_the_uninterrupted_losses(tm
     wait_for_step(rd, 3, p)
     kill_tree(p.pid)
     assert p.wait(timeout=120) != 0, "the run finished before it was killed"
+    wait_until_unlocked(rd)  # its workers are gone: the resume starts at once, in this process
     train_in_process(monkeypatch, capsys, *args, "--run_dir", rd)  # the experts of 2 ranks, whole on 1
     want, got = losses(ref), losses(rd)
     assert sorted(got) == list(range(1, 7))

@@ -21,6 +21,7 @@ from launch import (
     torchrun_command,
     train_in_process,
     wait_for_step,
+    wait_until_unlocked,
 )
 from model import ModelArgs, Transformer
 from parallel import distributed
@@ -146,6 +147,7 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
         wait_for_step(rd, step, p)
         kill_tree(p.pid)
         assert p.wait(timeout=120) != 0, f"leg {i} finished before it was killed"
+    wait_until_unlocked(rd)  # the killed legs' workers are gone: the resume starts at once, in this process
     train_in_process(monkeypatch, capsys, *args, "--run_dir", rd)  # every stage's parameters, whole on 1 rank
     want, got = losses(ref), losses(rd)
     assert sorted(got) == list(range(1, 7))

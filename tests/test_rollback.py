@@ -28,6 +28,7 @@ from launch import (
     spawn,
     torchrun_command,
     wait_for_step,
+    wait_until_unlocked,
 )
 from parallel import runner as runner_module
 from test_restart import final_weights
@@ -140,6 +141,7 @@ def test_sigkill_after_a_rollback_then_resume_ends_as_the_uninterrupted_run(one_
     finally:
         kill_tree(proc.pid)
         proc.wait()
+    wait_until_unlocked(rd)  # its workers are gone: the resume starts at once, in this process
     _run_here(capsys, rd)
     assert _rollbacks(rd) == _rollbacks(one_rank)
     _assert_same(rd, one_rank, 1e-6)
