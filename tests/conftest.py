@@ -29,12 +29,12 @@ from launch import (  # noqa: E402
     GRAD_ARGS,
     REFERENCE_ARGS,
     debug_run,
+    join_single_rank_group,
     made_once,
     prepared_data_dir,
     shared_root,
     torchrun,
 )
-from parallel import distributed  # noqa: E402
 from parallel.float8 import quiet_torchao_logs  # noqa: E402
 from s3server import start_server  # noqa: E402
 
@@ -176,8 +176,9 @@ def pytest_terminal_summary(terminalreporter, config):
 
 @pytest.fixture(scope="module")
 def single_rank_group():
-    """A 1-rank gloo process group for in-process tests of collective code (one per test module)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
+    """A 1-rank gloo process group for in-process tests of collective code (one per test module; a command run in
+    this process, launch.train_in_process, leaves it and joins a new one)."""
+    join_single_rank_group()
     yield
     dist.destroy_process_group()
 

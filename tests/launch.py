@@ -78,13 +78,37 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL pid and every process under it, as a node failure would (killpg would miss the workers)."""
-    for p in [pid, *descendants(pid)]:
+def kill_tree(pid: int, timeout: float = 30) -> None:
+    """SIGKILL pid and every process under it, as a node failure would (killpg would miss the workers); return once
+    they are gone (or zombies), so that a run started next, in the test's own process too, finds the run directory's
+    lock released. The caller still reaps pid (its Popen's wait)."""
+    procs = [pid, *descendants(pid)]
+    for p in procs:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.time() + timeout
+    while any(alive(p) for p in procs) and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def wait_until_unlocked(run_dir, timeout: float = 60) -> None:
+    """Block until no process holds run_dir's lock (storage.rundir.lock_run_dir): a worker of a killed launch can
+    outlive kill_tree's look at the process tree (one its agent was still starting, which dies with its agent only
+    once it runs), and the next run, started at once in this process, would be refused as a second run."""
+    path = os.path.join(str(run_dir), ".lock")
+    deadline = time.time() + timeout
+    while os.path.exists(path):
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
+            except BlockingIOError:
+                pass
+        assert time.time() < deadline, f"{run_dir} is still locked {timeout} s after its run was killed"
+        time.sleep(0.05)
 
 
 def workers(agent_pid: int) -> dict[int, int]:
@@ -225,13 +249,91 @@ def main_in_process(monkeypatch, capsys, *argv: str, world_size: int = 1) -> tup
     """
     import train_fsdp
 
-    assert not torch.distributed.is_initialized(), "main_in_process joins a group of its own: not with single_rank_group"
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))  # should it get as far as the group
     capsys.readouterr()
-    rc = train_fsdp.main([str(a) for a in argv])
-    assert not torch.distributed.is_initialized()
+    with outside_single_rank_group():  # a module's single_rank_group, left meanwhile
+        rc = train_fsdp.main([str(a) for a in argv])
+        assert not torch.distributed.is_initialized()
     return rc, capsys.readouterr().err
+
+
+def debug_run_in_process(monkeypatch, capsys, run_dir, *overrides: str,
+                         check: bool = True) -> subprocess.CompletedProcess:
+    """debug_run(1, run_dir, *overrides) as train_fsdp.main in this process: train_in_process."""
+    return train_in_process(monkeypatch, capsys, "--config", DEBUG, "--run_dir", run_dir, *overrides, check=check)
+
+
+def join_single_rank_group() -> None:
+    """Join a 1-rank gloo process group, for in-process tests of collective code (conftest's single_rank_group)."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0,
+                                         world_size=1)
+
+
+@contextmanager
+def outside_single_rank_group():
+    """For a command run in this process, which joins a process group of its own and leaves it: a module's
+    single_rank_group (a group of one) is left for the with-block and joined again after it, a new group of one that
+    the module's later tests use as they did the first."""
+    rejoin = torch.distributed.is_initialized()
+    if rejoin:
+        assert torch.distributed.get_world_size() == 1, "only a group of one is left and joined again"
+        torch.distributed.destroy_process_group()
+    try:
+        yield
+    finally:
+        if rejoin and not torch.distributed.is_initialized():
+            join_single_rank_group()
+
+
+def train_in_process(monkeypatch, capsys, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    """torchrun(1, "train_fsdp.py", *argv) as train_fsdp.main in this process, a lone rank in a gloo group of one.
+
+    For a 1-rank run whose outcome a test compares (losses, checkpoints, its printed lines), not its launch: saves
+    torchrun's agent and the worker's start-up (about 4 CPU-s a run). Returns the finished "process" (args,
+    returncode, stdout, stderr); raises AssertionError as torchrun does when check and the status is not 0. The
+    run's SIGINT and SIGTERM handlers (distributed.StopFlag) are put back as they were, and its group is left
+    (asserted); a module's single_rank_group is left meanwhile (outside_single_rank_group). capsys None (a module
+    fixture, which has no capsys): stdout and stderr are not kept ("").
+    """
+    import train_fsdp
+
+    argv = [str(a) for a in argv]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if capsys is not None:
+        capsys.readouterr()
+    with outside_single_rank_group():
+        try:
+            rc = train_fsdp.main(argv)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        assert not torch.distributed.is_initialized()
+    out, err = capsys.readouterr() if capsys is not None else ("", "")
+    if check and rc != 0:
+        raise AssertionError(f"train_fsdp.main exited {rc}:\n{(out + err)[-3000:]}")
+    return subprocess.CompletedProcess(["train_fsdp.main", *argv], rc, out, err)
+
+
+def evaluate_in_process(monkeypatch, capsys, *argv: str) -> tuple[int, dict | None, str]:
+    """evaluate.main(argv) in this process, as a lone rank; returns (exit status, the printed result or None, stderr).
+
+    For tests of what evaluate.py computes or refuses at 1 rank, not of its launch: saves a torchrun launch (about
+    4 CPU-s) per call. The gloo group of one it joins is left before it returns (asserted); a module's
+    single_rank_group is left meanwhile (outside_single_rank_group).
+    """
+    import evaluate
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", str(distributed.free_port()))
+    capsys.readouterr()
+    with outside_single_rank_group():
+        rc = evaluate.main([str(a) for a in argv])
+        assert not torch.distributed.is_initialized()
+    out, err = capsys.readouterr()
+    return rc, json.loads(out.strip().splitlines()[-1]) if rc == 0 else None, err
 
 
 def refused(main, argv, capsys) -> str:

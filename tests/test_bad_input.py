@@ -17,6 +17,7 @@ from launch import (
     REFERENCE_ARGS,
     REFERENCE_BATCH,
     debug_run,
+    debug_run_in_process,
     losses,
     main_in_process,
     metrics,
@@ -37,7 +38,8 @@ def existing_run(tmp_path_factory):
     """A finished 2-step run: bad input must leave it untouched."""
     rd = tmp_path_factory.mktemp("existing")
     prepared_data_dir(rd)
-    debug_run(1, rd, "--train.steps", "2", "--checkpoint.interval", "1")
+    with pytest.MonkeyPatch.context() as mp:
+        debug_run_in_process(mp, None, rd, "--train.steps", "2", "--checkpoint.interval", "1")
     return rd
 
 
@@ -302,10 +304,11 @@ def test_nonfinite_gradient_stops_without_touching_the_last_checkpoint(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_checkpoint_with_a_missing_shard_file_is_named(tmp_path):
+def test_a_checkpoint_with_a_missing_shard_file_is_named(tmp_path, reference):
     rd = tmp_path / "run"
     prepared_data_dir(rd)
-    debug_run(2, rd, "--train.steps", "2", "--checkpoint.interval", "2", *REFERENCE_BATCH)
+    # The conftest reference's step 2: saved by 2 ranks at REFERENCE_BATCH, as this run would have trained it.
+    shutil.copytree(reference / "checkpoints" / "step_00000002", rd / "checkpoints" / "step_00000002")
     shard = next((rd / "checkpoints" / "step_00000002").glob("__1_*.distcp"))
     shard.unlink()
     before = _snapshot(rd)
@@ -387,8 +390,8 @@ def test_an_empty_new_checkpoint_dir_on_a_run_with_checkpoints_is_refused(existi
     named = re.search(r"pass --checkpoint\.load_from (\S+?),? ", err).group(1)
     assert named.startswith(str(run / "checkpoints")), err
     more = ["--train.steps", "4", "--checkpoint.interval", "1"]
-    debug_run(1, run, "--checkpoint.dir", str(new), "--checkpoint.load_from", named, *more)
-    debug_run(1, ref, *more)
+    debug_run_in_process(monkeypatch, capsys, run, "--checkpoint.dir", str(new), "--checkpoint.load_from", named, *more)
+    debug_run_in_process(monkeypatch, capsys, ref, *more)
     got, want = losses(run), losses(ref)
     assert sorted(got) == [1, 2, 3, 4] and all(abs(got[k] - want[k]) <= 1e-6 * want[k] for k in want)
 
@@ -422,17 +425,18 @@ def test_fewer_steps_than_done_is_refused_and_the_printed_fix_continues_the_run(
     # The fix as printed, in a copy: a train.steps above 2 continues the run at step 3.
     copy = tmp_path / "copy"
     shutil.copytree(existing_run, copy)
-    proc = debug_run(1, copy, "--train.steps", "3", "--checkpoint.interval", "1")
+    proc = debug_run_in_process(monkeypatch, capsys, copy, "--train.steps", "3", "--checkpoint.interval", "1")
     assert "[train] finished: step 3 of 3" in proc.stdout
     assert [r["step"] for r in metrics(copy) if "loss" in r] == [1, 2, 3]
 
 
 @pytest.mark.slow
-def test_a_finished_run_started_again_with_a_lower_lr_leaves_its_run_directory_as_it_was(existing_run):
+def test_a_finished_run_started_again_with_a_lower_lr_leaves_its_run_directory_as_it_was(existing_run, monkeypatch,
+                                                                                          capsys):
     """No step runs at the new optim.lr, so config.toml keeps the LR the run ran at (and nothing else is rewritten)."""
     before = _snapshot(existing_run)
     config = (existing_run / "config.toml").read_text()
-    proc = debug_run(1, existing_run, "--train.steps", "2", "--optim.lr", "1e-5")
+    proc = debug_run_in_process(monkeypatch, capsys, existing_run, "--train.steps", "2", "--optim.lr", "1e-5")
     assert "[train] finished: step 2 of 2 already; nothing to run, the run directory is left as it was" in proc.stdout
     assert (existing_run / "config.toml").read_text() == config and _snapshot(existing_run) == before
 

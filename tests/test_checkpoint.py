@@ -17,8 +17,10 @@ from launch import (
     DEBUG,
     REFERENCE_ARGS,
     debug_run,
+    debug_run_in_process,
     kill_tree,
     losses,
+    main_in_process,
     metrics,
     prepared_data_dir,
     spawn,
@@ -220,7 +222,7 @@ def _requeue_reads_a_clean_stop(rc: int, rd) -> bool:
 
 
 @pytest.mark.slow
-def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference, monkeypatch, capsys):
     rd = tmp_path / "term"
     prepared_data_dir(rd)
     _kill_after(rd, 2, 3, signal.SIGTERM, "--checkpoint.interval", "1000")
@@ -235,10 +237,19 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference):
     kept = {f: open(f, "rb").read() for f in _files(rd) if not f.endswith("exit.json")}
     in_file = tmp_path / "run_dir_in_file.toml"  # the run directory named by the config file alone
     in_file.write_text(open(DEBUG).read().replace('run_dir = "runs/debug"', f"run_dir = {str(rd)!r}"))
-    for bad in (("--config", DEBUG, "--run_dir", rd, "--optim.lr", "-1"),
-                ("--config", DEBUG, "--run_dir", rd, "--train.stepz", "10"), ("--config", in_file, "--train.stepz", "1")):
+    # The first two as rank 0 of 2 in this process (train_fsdp.main; its refusals come before any collective, and
+    # only rank 0 touches exit.json); the last as launched, with the command line read from sys.argv and a rank 1.
+    for bad, launched in ((("--config", DEBUG, "--run_dir", rd, "--optim.lr", "-1"), False),
+                          (("--config", DEBUG, "--run_dir", rd, "--train.stepz", "10"), False),
+                          (("--config", in_file, "--train.stepz", "1"), True)):
         (rd / "exit.json").write_text(stop)
-        rc = torchrun(2, "train_fsdp.py", *map(str, bad), *COMMON, check=False).returncode
+        if launched:
+            rc = torchrun(2, "train_fsdp.py", *map(str, bad), *COMMON, check=False).returncode
+        else:
+            try:
+                rc, _ = main_in_process(monkeypatch, capsys, *bad, *COMMON, world_size=2)
+            except SystemExit as e:  # argparse's own errors
+                rc = e.code
         assert rc != 0 and not _requeue_reads_a_clean_stop(rc, rd), bad
         assert {f: open(f, "rb").read() for f in _files(rd)} == kept
     debug_run(2, rd, *COMMON, "--checkpoint.interval", "1000")
@@ -267,13 +278,13 @@ def test_ctrl_c_finishes_the_step_on_every_rank_saves_and_resumes_the_same_run(t
 
 
 @pytest.mark.slow
-def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, reference):
+def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, reference, monkeypatch, capsys):
     # 2 ranks (reference, step 4) -> 1 rank (steps 5-6) -> 2 ranks (steps 7-10); DCP reshards each time.
     one = tmp_path / "one_rank"
     prepared_data_dir(one)
     shutil.copytree(reference / "checkpoints" / "step_00000004", one / "checkpoints" / "step_00000004")
     # All 10 steps are in the LR warmup (20 steps), so stopping at 6 does not change the schedule.
-    debug_run(1, one, *COMMON, "--train.steps", "6")
+    debug_run_in_process(monkeypatch, capsys, one, *COMMON, "--train.steps", "6")  # 1 rank, in this process
     two = tmp_path / "two_ranks"
     prepared_data_dir(two)
     shutil.copytree(one / "checkpoints" / "step_00000006", two / "checkpoints" / "step_00000006")
@@ -286,16 +297,16 @@ def test_resume_2_to_1_and_1_to_2_ranks_continues_the_same_run(tmp_path, referen
 
 
 @pytest.mark.slow
-def test_load_from_starts_a_new_run_once_then_the_run_resumes_from_its_own(tmp_path, reference):
+def test_load_from_starts_a_new_run_once_then_the_run_resumes_from_its_own(tmp_path, reference, monkeypatch, capsys):
     rd = tmp_path / "branch"
     prepared_data_dir(rd)
     start = str(reference / "checkpoints" / "step_00000004")
-    debug_run(1, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "6")
+    debug_run_in_process(monkeypatch, capsys, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "6")
     # The same command again, after more steps were asked for: it must continue from its own step 6,
     # not go back to step 4, and a step directory without .metadata must not block the save at 8.
     (rd / "checkpoints" / "step_00000008").mkdir()
     (rd / "checkpoints" / "step_00000008" / "junk").write_text("left by a deleted checkpoint")
-    proc = debug_run(1, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "8")
+    proc = debug_run_in_process(monkeypatch, capsys, rd, *COMMON, "--checkpoint.load_from", start, "--train.steps", "8")
     assert "has checkpoints of its own: resuming from the newest" in proc.stdout
     assert [r["step"] for r in metrics(rd) if "loss" in r] == [5, 6, 7, 8]
     want, got = losses(reference), losses(rd)
@@ -352,7 +363,7 @@ def test_another_optimizer_on_resume_is_named_not_called_damaged(tmp_path, singl
 
 
 @pytest.mark.slow
-def test_load_from_another_run_takes_its_tokenizer(tmp_path, reference):
+def test_load_from_another_run_takes_its_tokenizer(tmp_path, reference, monkeypatch, capsys):
     """A new run from another run's checkpoint trains on its data with the checkpoint's tokenizer, not a new one: the
     same losses as the run given that tokenizer by hand (before: a tokenizer of its own, and other token ids)."""
     start = str(reference / "checkpoints" / "step_00000004")
@@ -360,8 +371,8 @@ def test_load_from_another_run_takes_its_tokenizer(tmp_path, reference):
     other_data = ["--data.max_documents", "60", "--data.tokenizer_vocab_size", "3000", "--train.steps", "6",
                   "--checkpoint.interval", "1000", "--train.val_interval", "0", "--checkpoint.load_from", start]
     taken, by_hand = tmp_path / "taken", tmp_path / "by_hand"
-    proc = debug_run(1, taken, *other_data)
-    debug_run(1, by_hand, *other_data, "--data.tokenizer", theirs)
+    proc = debug_run_in_process(monkeypatch, capsys, taken, *other_data)  # 1-rank runs, in this process
+    debug_run_in_process(monkeypatch, capsys, by_hand, *other_data, "--data.tokenizer", theirs)
     assert f"data.tokenizer {theirs}: the tokenizer checkpoint.load_from {start} was trained with" in proc.stdout
     assert parse_config(["--config", str(taken / "config.toml")]).data.tokenizer == theirs
     got, want = losses(taken), losses(by_hand)

@@ -10,12 +10,14 @@ from launch import (
     DEBUG,
     REFERENCE_ARGS,
     debug_run,
+    debug_run_in_process,
     kill_tree,
     losses,
     prepared_data_dir,
     spawn,
     torchrun_command,
     wait_for_step,
+    wait_until_unlocked,
 )
 from nn.documents import document_positions, slice_layout
 from test_2d import COMPLETEP, GRAD_RTOL, MUP, packed_tokens, rel  # noqa: F401 (packed_tokens is a fixture)
@@ -75,7 +77,8 @@ def test_context_parallel_layouts_match_one_process(grads, packed_tokens, nproc,
 
 
 @pytest.mark.slow
-def test_sigkill_at_cp2_then_resume_at_cp1_fsdp2_and_in_2d_gives_the_uninterrupted_losses(tmp_path, reference):
+def test_sigkill_at_cp2_then_resume_at_cp1_fsdp2_and_in_2d_gives_the_uninterrupted_losses(tmp_path, reference,
+                                                                                          monkeypatch, capsys):
     # The conftest reference: 2 FSDP ranks, 10 steps, a checkpoint every 2. Killed at cp 2 (one data-parallel
     # rank) after step 5 or later, the newest checkpoint is step 4 or later.
     rd = tmp_path / "cp2"
@@ -89,7 +92,8 @@ def test_sigkill_at_cp2_then_resume_at_cp1_fsdp2_and_in_2d_gives_the_uninterrupt
     for other in (two_d, fsdp2):
         prepared_data_dir(other)
         shutil.copytree(rd / "checkpoints", other / "checkpoints")
-    debug_run(1, rd, *REFERENCE_ARGS)  # cp 1 on one rank
+    wait_until_unlocked(rd)  # its workers are gone: the resume starts at once, in this process
+    debug_run_in_process(monkeypatch, capsys, rd, *REFERENCE_ARGS)  # cp 1 on one rank (in this process)
     debug_run(2, two_d, *REFERENCE_ARGS, "--train.steps", "7", "--parallel.tp", "2", script="train_2d.py")
     debug_run(2, fsdp2, *REFERENCE_ARGS, "--train.steps", "7")  # 2 data-parallel ranks where there was one
     want = losses(reference)

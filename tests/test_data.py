@@ -429,7 +429,7 @@ def test_one_file_is_tokenized_by_every_rank_into_the_stream_of_its_one_unit_rea
 
 
 @pytest.mark.slow
-def test_one_big_file_under_torchrun_equals_one_process_and_its_one_unit_reading(tmp_path):
+def test_one_big_file_under_torchrun_equals_one_process_and_its_one_unit_reading(tmp_path, monkeypatch):
     from launch import DEBUG, torchrun
 
     rows = _mixed_rows(2000)
@@ -443,9 +443,14 @@ def test_one_big_file_under_torchrun_equals_one_process_and_its_one_unit_reading
         streams = []
         for nproc in (1, 2):
             rd = tmp_path / f"{kind}{nproc}"
-            torchrun(nproc, "tests/small_units_prepare.py", "--unit_bytes", "20000", "--config", DEBUG,
-                     "--run_dir", str(rd), "--data.dataset", path, "--data.tokenizer", str(tmp_path / "tok.json"),
-                     "--data.max_documents", "0", timeout=240)
+            args = ["--config", DEBUG, "--run_dir", str(rd), "--data.dataset", path, "--data.tokenizer",
+                    str(tmp_path / "tok.json"), "--data.max_documents", "0"]
+            if nproc == 1:  # one process: prepare.py's command in this one, as small_units_prepare.py runs it
+                with monkeypatch.context() as m:
+                    m.setattr(filesplit, "UNIT_BYTES", 20000)
+                    assert prepare.main(args) == 0
+            else:
+                torchrun(nproc, "tests/small_units_prepare.py", "--unit_bytes", "20000", *args, timeout=240)
             assert data.read_meta(str(rd / "data"))["sources"]["default"]["work_units"] >= 4
             streams.append(open(source_file(rd / "data"), "rb").read())
         assert streams[0] == streams[1] == reference.getvalue(), kind

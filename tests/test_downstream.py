@@ -2,13 +2,13 @@
 and its scores of our Hugging Face export, which the loop and evaluate.py must equal exactly."""
 import json
 import os
-import subprocess
 import sys
 
 import lm_eval.tasks
 import numpy as np
 import pytest
 import transformers
+from lm_eval._cli import HarnessCLI  # `python -m lm_eval`'s command line
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.task import ConfigurableTask
@@ -20,7 +20,7 @@ import hf
 import train_fsdp
 from data_pipeline import tokenizer
 from evaluation import downstream
-from launch import DEBUG, ROOT, metrics, prepared_data_dir, refused, torchrun
+from launch import DEBUG, ROOT, metrics, prepared_data_dir, refused, torchrun, train_in_process
 from scripts.stdlib_tasks import write_tasks
 
 TASKS = ("stdlib_next", "stdlib_long")
@@ -157,7 +157,8 @@ def _scores(records: list[dict], step: int) -> dict:
 
 
 @pytest.mark.slow
-def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_and_pp(tmp_path, capsys):
+def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_and_pp(tmp_path, capsys,
+                                                                                      monkeypatch):
     cfg, yaml_dir = _write_tasks(tmp_path)
     # Scored at steps 2 and 4 (a short warmup, so the scores move between them), a batch of 8: the comparisons need
     # two scorings of a trained export, not a long run.
@@ -169,7 +170,7 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_an
     one, tp2, pp2 = tmp_path / "ws1", tmp_path / "dp1tp2", tmp_path / "pp2"
     for rd in (one, tp2, pp2):
         prepared_data_dir(rd)  # the session's tokenized debug corpus: no tokenizer training per run
-    torchrun(1, "train_fsdp.py", *run, "--run_dir", str(one))
+    train_in_process(monkeypatch, capsys, *run, "--run_dir", one)  # 1 rank: train_fsdp.main in this process
     torchrun(2, "train_2d.py", *run, "--run_dir", str(tp2), "--parallel.tp", "2")  # vocabulary-parallel logits
     torchrun(2, "train_fsdp.py", *run, "--run_dir", str(pp2), "--parallel.pp", "2")  # scored stage after stage
     ours = {step: _scores(metrics(one), step) for step in (mid, end)}
@@ -181,12 +182,17 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_an
     export = tmp_path / "export"
     assert hf.main(["export", "--run_dir", str(one), "--out", str(export)]) == 0  # in this process: no start-up
     out = tmp_path / "lm_eval"
-    # From the checkout's root, where our evaluate.py lies on sys.path ahead of Hugging Face's evaluate.
-    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                           f"pretrained={export},dtype=float32", "--tasks", ",".join(TASKS), "--include_path", yaml_dir,
-                           "--device", "cpu", "--batch_size", "8", "--output_path", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **OFFLINE})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The harness's own command line (`python -m lm_eval ...`: HarnessCLI, which runs simple_evaluate and writes the
+    # results file), called in this process: the test's imports already hold lm_eval and transformers, which a fresh
+    # process spends most of its time importing. Our evaluate.py lies on sys.path ahead of Hugging Face's evaluate, as
+    # it did from the checkout's root.
+    for k, v in OFFLINE.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["lm_eval", "--model", "hf", "--model_args", f"pretrained={export},dtype=float32",
+                                      "--tasks", ",".join(TASKS), "--include_path", yaml_dir, "--device", "cpu",
+                                      "--batch_size", "8", "--output_path", str(out)])
+    cli = HarnessCLI()
+    cli.execute(cli.parse_args())
     results = json.load(open(sorted(str(p) for p in out.rglob("results*.json"))[-1]))["results"]
     harness = {f"eval/{t}/{m}": results[t][f"{m},none"] for t in TASKS for m in ("acc", "acc_norm")}
     assert harness["eval/stdlib_next/acc"] != harness["eval/stdlib_next/acc_norm"]  # length normalisation exercised

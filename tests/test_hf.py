@@ -17,7 +17,18 @@ from config import parse_config
 from data_pipeline import tokenizer
 from debug_export import debug_run_dir, exported_dir
 from hf_format import from_hf_name, hf_model_type
-from launch import DEBUG, ROOT, before_any_collective, debug_run, losses, metrics, prepared_data_dir, torchrun
+from launch import (
+    DEBUG,
+    ROOT,
+    before_any_collective,
+    debug_run,
+    debug_run_in_process,
+    evaluate_in_process,
+    losses,
+    metrics,
+    prepared_data_dir,
+    torchrun,
+)
 from model import PRESETS, ModelArgs, Transformer
 from models import random_model
 
@@ -400,12 +411,12 @@ MIXTRAL_FLAGS = ["--model.n_experts", "4", "--model.experts_per_token", "2", "--
 
 
 @pytest.mark.slow
-def test_moe_export_computes_our_logits_and_init_from_hf_continues_with_the_same_losses(tmp_path):
+def test_moe_export_computes_our_logits_and_init_from_hf_continues_with_the_same_losses(tmp_path, monkeypatch, capsys):
     """hf.py export of a trained Mixtral-style run: MixtralForCausalLM's logits are ours. --init_from_hf of an
     export of the run's initial weights, at ep 2, trains as the run itself did from them: the same losses."""
     run, cont = tmp_path / "run", tmp_path / "continued"
     prepared_data_dir(run)
-    debug_run(1, run, *MIXTRAL_FLAGS, "--train.steps", "3", "--checkpoint.interval", "3")
+    debug_run_in_process(monkeypatch, capsys, run, *MIXTRAL_FLAGS, "--train.steps", "3", "--checkpoint.interval", "3")
     assert hf.main(["export", "--run_dir", str(run), "--out", str(tmp_path / "mixtral")]) == 0
     ours, _ = generate.load_model(str(run))
     ref = load_hf(str(tmp_path / "mixtral"))
@@ -519,17 +530,20 @@ def test_bad_input_gives_one_line_errors(tmp_path, tmp_path_factory, tok_path, c
 
 
 @pytest.mark.slow
-def test_an_empty_split_is_refused_and_split_all_evaluates(tmp_path_factory, tmp_path):
+def test_an_empty_split_is_refused_and_split_all_evaluates(tmp_path_factory, tmp_path, monkeypatch, capsys):
     """'use --split all' as printed evaluates every window; a run whose tokens were removed is tokenized again."""
     run = debug_run_dir(tmp_path_factory)
 
     def evaluate(run_dir, *args, check=True):  # the first 32 windows of a split: the same ones for 'all' either way
-        proc = torchrun(1, "evaluate.py", "--run_dir", run_dir, "--max_sequences", "32", *args, timeout=300,
-                        check=check)
-        return proc if not check else json.loads(proc.stdout.strip().splitlines()[-1])
+        # In this process (evaluate.main, 1 rank): the 2-rank launch is test_perplexity_of_evaluate_...'s.
+        rc, result, err = evaluate_in_process(monkeypatch, capsys, "--run_dir", run_dir, "--max_sequences", "32",
+                                              *args)
+        if check:
+            assert rc == 0, err
+        return result if check else (rc, err)
 
-    refused = evaluate(run, "--split", "val", "--data.val_fraction", "0", check=False)
-    assert refused.returncode != 0 and "use --split all or raise --data.val_fraction" in refused.stderr
+    rc, err = evaluate(run, "--split", "val", "--data.val_fraction", "0", check=False)
+    assert rc == 2 and "use --split all or raise --data.val_fraction" in err, err
     got = evaluate(run, "--split", "all", "--data.val_fraction", "0")
     want = evaluate(run, "--split", "all")
     assert got["tokens"] == want["tokens"] and abs(got["loss"] - want["loss"]) <= 1e-6 * want["loss"]
@@ -544,16 +558,17 @@ def test_an_empty_split_is_refused_and_split_all_evaluates(tmp_path_factory, tmp
 
 
 @pytest.mark.slow
-def test_init_from_hf_into_data_prepared_with_the_same_tokenizer(tmp_path_factory, tmp_path):
+def test_init_from_hf_into_data_prepared_with_the_same_tokenizer(tmp_path_factory, tmp_path, monkeypatch, capsys):
     """data/ prepared without data.tokenizer, with the export's own tokenizer: accepted (before: 'prepared with other
     data settings'); one step trains from the export's weights."""
     rd = tmp_path / "continued"
     prepared_data_dir(rd)  # the debug corpus, tokenized with the tokenizer the exported run used
-    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(rd), "--init_from_hf",
-                    exported_dir(tmp_path_factory), "--train.steps", "1", "--checkpoint.interval", "1000")
+    # 1-rank runs, train_fsdp.main in this process.
+    proc = debug_run_in_process(monkeypatch, capsys, rd, "--init_from_hf", exported_dir(tmp_path_factory),
+                                "--train.steps", "1", "--checkpoint.interval", "1000")
     assert f"weights from {exported_dir(tmp_path_factory)}" in proc.stdout
     assert parse_config(["--config", str(rd / "config.toml")]).data.tokenizer == ""
     # The same command again: the run's own checkpoint wins, and the start says the flag was not used.
-    proc = torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(rd), "--init_from_hf",
-                    exported_dir(tmp_path_factory), "--train.steps", "1", "--checkpoint.interval", "1000")
+    proc = debug_run_in_process(monkeypatch, capsys, rd, "--init_from_hf", exported_dir(tmp_path_factory),
+                                "--train.steps", "1", "--checkpoint.interval", "1000")
     assert "step_00000001, not --init_from_hf" in proc.stdout and "nothing to run" in proc.stdout, proc.stdout

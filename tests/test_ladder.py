@@ -3,14 +3,24 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 import ladder
 from config import parse_config
-from launch import DEBUG, ROOT, kill_tree, losses, metrics, prepared_data_dir, refused, spawn, wait_for_step
+from launch import (
+    DEBUG,
+    ROOT,
+    kill_tree,
+    losses,
+    metrics,
+    prepared_data_dir,
+    refused,
+    spawn,
+    train_in_process,
+    wait_for_step,
+)
 from model import num_params
 
 TARGET = ["--config", DEBUG, "--model.parametrization", "mup", "--model.base_dim", "32", "--model.n_kv_heads", "4"]
@@ -226,7 +236,8 @@ def test_ladder_json_holds_the_check_runs_own_val_loss_and_a_rerun_skips_every_f
 
 
 @pytest.mark.slow
-def test_a_cooldown_branch_equals_a_run_given_its_schedule_from_the_start_and_resumes_exactly_after_a_kill(tmp_path):
+def test_a_cooldown_branch_equals_a_run_given_its_schedule_from_the_start_and_resumes_exactly_after_a_kill(
+        tmp_path, monkeypatch, capsys):
     """Reference: budget 1 trained as a plain run with its WSD schedule from the start. One rung trains (two more
     finished before): its trunk in two segments (to budget 0.5's branch point, then budget 1's) and both
     branches. A SIGKILL of the ladder and its run in the middle of budget 1's branch, then the same command: the
@@ -261,11 +272,10 @@ def test_a_cooldown_branch_equals_a_run_given_its_schedule_from_the_start_and_re
 
     ref = tmp_path / "ref"
     prepared_data_dir(ref)
-    subprocess.run([sys.executable, os.path.join(ROOT, "train_fsdp.py"), *base, "--run_dir", str(ref),
-                    "--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "1", "--model.n_kv_heads", "1",
-                    "--model.ffn_dim", str(rung.args.ffn_dim), "--optim.warmup_steps", str(rung.warmup),
-                    "--train.steps", str(full.steps), "--train.val_interval", str(full.steps)],
-                   check=True, capture_output=True, timeout=120)
+    train_in_process(monkeypatch, capsys, *base, "--run_dir", ref,  # the reference: train_fsdp.main in this process
+                     "--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "1", "--model.n_kv_heads", "1",
+                     "--model.ffn_dim", rung.args.ffn_dim, "--optim.warmup_steps", rung.warmup,
+                     "--train.steps", full.steps, "--train.val_interval", full.steps)
     got, want = losses(full.run_dir), losses(ref)
     assert sorted(got) == list(range(full.start + 1, full.steps + 1))
     assert max(abs(got[k] - want[k]) for k in got) < 1e-6

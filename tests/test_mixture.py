@@ -10,8 +10,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -31,7 +29,7 @@ from data_pipeline.loader import DataState, GlobalBatchLoader
 from evaluation import validation
 from launch import (
     DEBUG,
-    ROOT,
+    evaluate_in_process,
     kill_tree,
     losses,
     metrics,
@@ -419,7 +417,7 @@ def _killed_after(cfg, rd, nproc, step):
 
 
 @pytest.mark.slow
-def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_path):
+def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_path, monkeypatch, capsys):
     cfg = _mixture_toml(tmp_path)
     ref = tmp_path / "ref"
     console = torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(ref), *MIXTURE_RUN).stdout
@@ -449,17 +447,16 @@ def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_pat
             f"docs {last['val_loss/docs']:.4f})") in console, console[-2000:]
     tokens = [r for r in metrics(ref) if "loss" in r][-1]
     assert tokens["tokens/code"] + tokens["tokens/docs"] == tokens["tokens_seen"]
+    # evaluate.main in this process, as a lone `python evaluate.py` runs it: no launch to pay per call.
     for source, key in (("code", "val_loss/code"), ("docs", "val_loss/docs")):
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--run_dir", str(ref),
-                              "--max_sequences", "64", "--source", source],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
-        loss = json.loads(out.stdout.strip().splitlines()[-1])["loss"]
-        assert abs(loss - last[key]) <= 1e-5 * last[key], (key, loss, last[key])
+        rc, result, err = evaluate_in_process(monkeypatch, capsys, "--run_dir", ref, "--max_sequences", "64",
+                                              "--source", source)
+        assert rc == 0, err
+        assert abs(result["loss"] - last[key]) <= 1e-5 * last[key], (key, result["loss"], last[key])
     # Another dataset replaces the run's mixture, tokenized with the run's tokenizer.
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--run_dir", str(ref), "--split", "all",
-                          "--data.dataset", str(tmp_path / "docs.jsonl"), "--data.text_column", "body"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1])["sequences"] > 0
+    rc, result, err = evaluate_in_process(monkeypatch, capsys, "--run_dir", ref, "--split", "all", "--data.dataset",
+                                          tmp_path / "docs.jsonl", "--data.text_column", "body")
+    assert rc == 0 and result["sequences"] > 0, err
 
 
 def _legacy_data_dir(rd) -> None:

@@ -17,7 +17,7 @@ from launch import (
     DEBUG,
     REFERENCE_BATCH,
     before_any_collective,
-    debug_run,
+    debug_run_in_process,
     kill_tree,
     losses,
     main_in_process,
@@ -25,9 +25,10 @@ from launch import (
     prepared_data_dir,
     refused,
     spawn,
-    torchrun,
     torchrun_command,
+    train_in_process,
     wait_for_step,
+    wait_until_unlocked,
 )
 from model import ModelArgs, Transformer, flops_per_token, num_params
 from nn import grouped_mm
@@ -433,8 +434,9 @@ def moe_run(tmp_path_factory):
     """A finished 2-step MoE run (1 rank) with its checkpoint."""
     rd = tmp_path_factory.mktemp("moe")
     prepared_data_dir(rd)
-    debug_run(1, rd, "--train.steps", "2", "--checkpoint.interval", "2", "--train.val_interval", "0", *MOE,
-              "--model.n_shared_experts", "1")
+    with pytest.MonkeyPatch.context() as mp:  # in this process
+        debug_run_in_process(mp, None, rd, "--train.steps", "2", "--checkpoint.interval", "2", "--train.val_interval",
+                             "0", *MOE, "--model.n_shared_experts", "1")
     return rd
 
 
@@ -460,8 +462,7 @@ def test_moe_checkpoint_resumed_as_dense_and_the_reverse_are_refused(moe_run, tm
         "resume it" in err, stderr[-2000:]
     assert _snapshot(moe_run) == before
     flags = err.split("; pass ")[1].split(" to resume it")[0].split()
-    torchrun(1, "train_fsdp.py", "--config", DEBUG, "--run_dir", str(moe_run), "--train.steps", "3",
-             "--train.val_interval", "0", *flags)
+    debug_run_in_process(monkeypatch, capsys, moe_run, "--train.steps", "3", "--train.val_interval", "0", *flags)
     assert [r["step"] for r in metrics(moe_run) if "loss" in r] == [1, 2, 3]
     # A dense checkpoint written before MoE existed, resumed as an MoE: refused naming both (it resumes dense:
     # test_parametrization.py's legacy test).
@@ -542,18 +543,19 @@ def test_moe_losses_and_gradients_equal_one_process_at_every_layout(worker, layo
 
 
 @pytest.mark.slow
-def test_sigkill_at_ep_2_then_resume_on_1_rank_gives_the_uninterrupted_losses(tmp_path):
+def test_sigkill_at_ep_2_then_resume_on_1_rank_gives_the_uninterrupted_losses(tmp_path, monkeypatch, capsys):
     args = ["--config", DEBUG, "--train.steps", "6", "--checkpoint.interval", "2", "--train.val_interval", "0",
             *REFERENCE_BATCH, *MOE_LOSSES]
     ref, rd = tmp_path / "ref", tmp_path / "killed"
     for d in (ref, rd):
         prepared_data_dir(d)
-    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(ref))
+    train_in_process(monkeypatch, capsys, *args, "--run_dir", ref)  # the 1-rank runs: in this process
     p = spawn(torchrun_command(2, "train_fsdp.py", *args, "--run_dir", str(rd), *EP2), tmp_path / "killed.log")
     wait_for_step(rd, 3, p)
     kill_tree(p.pid)
     assert p.wait(timeout=120) != 0, "the run finished before it was killed"
-    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(rd))  # the experts of 2 ranks, whole on 1
+    wait_until_unlocked(rd)  # its workers are gone: the resume starts at once, in this process
+    train_in_process(monkeypatch, capsys, *args, "--run_dir", rd)  # the experts of 2 ranks, whole on 1
     want, got = losses(ref), losses(rd)
     assert sorted(got) == list(range(1, 7))
     assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-5

@@ -14,7 +14,7 @@ import torch
 import torch.optim._muon
 
 from config import parse_config
-from launch import DEBUG, REFERENCE_BATCH, losses, prepared_data_dir, torchrun
+from launch import DEBUG, REFERENCE_BATCH, losses, prepared_data_dir, torchrun, train_in_process
 from model import Transformer
 from nn.roles import roles
 from optimization import muon
@@ -155,7 +155,7 @@ def test_distributed_muon_update_equals_torch_muon(muon_results, layout):
 
 
 @pytest.mark.slow
-def test_muon_wsd_checkpoint_loads_at_another_world_size(tmp_path):
+def test_muon_wsd_checkpoint_loads_at_another_world_size(tmp_path, monkeypatch, capsys):
     """2 FSDP ranks for 10 steps, saved at step 5; a 1-rank run loaded from that step (its momentum buffers
     resharded by DCP, its WSD schedule recomputed) continues with the uninterrupted run's losses."""
     common = ["--config", DEBUG, "--optim.name", "muon", "--optim.schedule", "wsd", "--optim.decay_fraction", "0.5",
@@ -166,8 +166,8 @@ def test_muon_wsd_checkpoint_loads_at_another_world_size(tmp_path):
         prepared_data_dir(d)  # the session's tokenized corpus: no tokenizer training per run
     first = torchrun(2, "train_fsdp.py", *common, "--run_dir", ref)
     assert "all_gather_into_tensor" not in first.stderr  # torch 2.13's FutureWarning, once per rank, is gone
-    torchrun(1, "train_fsdp.py", *common, "--run_dir", branch, "--checkpoint.load_from",
-             ref / "checkpoints" / "step_00000005")
+    train_in_process(monkeypatch, capsys, *common, "--run_dir", branch, "--checkpoint.load_from",  # 1 rank, here
+                     ref / "checkpoints" / "step_00000005")
     a, b = losses(ref), losses(branch)
     assert sorted(b) == list(range(6, 11))
     for step in b:

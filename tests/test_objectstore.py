@@ -24,7 +24,7 @@ from data_pipeline import datacache
 from launch import (
     DEBUG,
     REFERENCE_ARGS,
-    debug_run,
+    debug_run_in_process,
     losses,
     metrics,
     prepared_data_dir,
@@ -264,7 +264,8 @@ def test_a_second_run_on_one_checkpoint_dir_is_refused_and_the_first_keeps_every
     stay byte for byte."""
     url, a, b = f"s3://{BUCKET}/owned", tmp_path / "a", tmp_path / "b"
     prepared_data_dir(a)
-    debug_run(1, a, "--train.steps", "4", "--checkpoint.interval", "2", "--checkpoint.dir", url)
+    debug_run_in_process(monkeypatch, capsys, a, "--train.steps", "4", "--checkpoint.interval", "2", "--checkpoint.dir",
+                         url)  # 1 rank, in this process
     fs.write_bytes(f"{url}/step_00000006/__0_0.distcp", b"a save of run A in progress")
     before = _objects(url)
     assert json.loads(fs.read_bytes(f"{url}/owner.json")) == {"run_dir": str(a)}

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from launch import debug_run, metrics, prepared_data_dir
+from launch import debug_run_in_process, metrics, prepared_data_dir
 from model import ModelArgs, Transformer
 from optimization.optimizers import OptimConfig, build_optimizer, reapply_schedule, schedule_notice
 
@@ -143,7 +143,7 @@ def test_schedule_after_loading_follows_this_runs_total_steps():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["wsd", "cosine", "linear"])
-def test_the_logged_lr_of_the_last_step_is_min_lr_ratio_times_lr(tmp_path, schedule):
+def test_the_logged_lr_of_the_last_step_is_min_lr_ratio_times_lr(tmp_path, monkeypatch, capsys, schedule):
     # The debug config: lr 3e-3, min_lr_ratio 0.1. 6 steps, warmup 2; WSD decays over the last
     # round(0.5 * 6) = 3 steps (4, 5, 6). The record of step k logs the LR that step k ran at.
     lr, low, total, warmup = 3e-3, 3e-4, 6, 2
@@ -153,8 +153,9 @@ def test_the_logged_lr_of_the_last_step_is_min_lr_ratio_times_lr(tmp_path, sched
              "linear": [low + (lr - low) * (1 - x) for x in p]}[schedule]
     want = [lr / 2, lr, *after]
     prepared_data_dir(tmp_path)
-    debug_run(1, tmp_path, "--train.steps", str(total), "--optim.warmup_steps", str(warmup), "--optim.schedule",
-              schedule, "--optim.decay_fraction", "0.5", "--train.val_interval", "0", "--checkpoint.interval", "100")
+    debug_run_in_process(monkeypatch, capsys, tmp_path, "--train.steps", str(total), "--optim.warmup_steps",
+                         str(warmup), "--optim.schedule", schedule, "--optim.decay_fraction", "0.5",
+                         "--train.val_interval", "0", "--checkpoint.interval", "100")  # 1 rank, in this process
     logged = {r["step"]: r["lr"] for r in metrics(tmp_path) if "lr" in r}
     assert sorted(logged) == list(range(1, total + 1))
     assert [logged[k] for k in range(1, total + 1)] == pytest.approx(want, rel=1e-12)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from launch import ROOT, losses, main_in_process, torchrun
+from launch import ROOT, losses, main_in_process, train_in_process
 from model import PRESETS, ModelArgs, Transformer
 from optimization.optimizers import OptimConfig, build_optimizer
 
@@ -162,7 +162,7 @@ def test_a_checkpoint_from_before_parametrizations_resumes_as_sp_with_the_old_co
     assert rc != 0 and "model.parametrization: checkpoint 'sp', now 'mup'; model.base_dim: checkpoint 0, " \
         "now 16" in err, err[-2000:]
     assert snapshot() == before
-    torchrun(1, "train_fsdp.py", "--run_dir", str(rd), *LEGACY_FLAGS)
+    train_in_process(monkeypatch, capsys, "--run_dir", rd, *LEGACY_FLAGS)  # 1 rank, in this process
     new = losses(rd)
     assert sorted(new) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):  # bit for bit: the same machine's kernels on the same weights

@@ -18,9 +18,10 @@ from launch import (
     prepared_data_dir,
     refused,
     spawn,
-    torchrun,
     torchrun_command,
+    train_in_process,
     wait_for_step,
+    wait_until_unlocked,
 )
 from model import ModelArgs, Transformer
 from parallel import distributed
@@ -131,13 +132,14 @@ def test_pipeline_losses_norms_and_gradients_equal_one_process(worker, layout):
 
 
 @pytest.mark.slow
-def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninterrupted_losses_and_val_loss(tmp_path):
+def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninterrupted_losses_and_val_loss(
+        tmp_path, monkeypatch, capsys):
     args = ["--config", DEBUG, "--train.steps", "6", "--checkpoint.interval", "2", "--train.val_interval", "3",
             *REFERENCE_BATCH, *MHA]
     ref, rd = tmp_path / "ref", tmp_path / "killed"
     for d in (ref, rd):
         prepared_data_dir(d)
-    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(ref))
+    train_in_process(monkeypatch, capsys, *args, "--run_dir", ref)  # the 1-rank runs: in this process
     legs = [(2, "train_fsdp.py", ["--parallel.pp", "2"], 3),  # killed after step 3: resumes from step 2
             (4, "train_2d.py", ["--parallel.pp", "2", "--parallel.tp", "2"], 5)]  # from step 2, killed after 5
     for i, (n, script, flags, step) in enumerate(legs):
@@ -145,7 +147,8 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
         wait_for_step(rd, step, p)
         kill_tree(p.pid)
         assert p.wait(timeout=120) != 0, f"leg {i} finished before it was killed"
-    torchrun(1, "train_fsdp.py", *args, "--run_dir", str(rd))  # every stage's parameters, whole on 1 rank
+    wait_until_unlocked(rd)  # the killed legs' workers are gone: the resume starts at once, in this process
+    train_in_process(monkeypatch, capsys, *args, "--run_dir", rd)  # every stage's parameters, whole on 1 rank
     want, got = losses(ref), losses(rd)
     assert sorted(got) == list(range(1, 7))
     assert max(abs(got[s] - want[s]) / want[s] for s in want) <= 1e-5

@@ -25,6 +25,7 @@ from launch import (
     spawn,
     torchrun,
     torchrun_command,
+    train_in_process,
     wait_for_step,
 )
 from model import PRESETS, ModelArgs, Transformer
@@ -154,7 +155,7 @@ def _ramp_config(tmp_path) -> str:
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_with_muon_wsd_a_batch_stage_and_the_spike_guard(tmp_path):
+def test_sigkill_and_resume_with_muon_wsd_a_batch_stage_and_the_spike_guard(tmp_path, monkeypatch, capsys):
     # A guard this tight (0.5 sigma over 3 steps) skips some steps: a resume that lost its windows
     # would decide differently. Killed after step 7 (a stage at 5, saved at 6), resumed at 2 ranks
     # and, from the step-6 checkpoint, at 1 rank.
@@ -178,7 +179,7 @@ def test_sigkill_and_resume_with_muon_wsd_a_batch_stage_and_the_spike_guard(tmp_
     assert [r["step"] for r in metrics(rd) if r.get("skipped")] == skipped
     assert max(abs(got[k] - want[k]) / want[k] for k in want) <= 1e-6
     shutil.copytree(ref / "checkpoints" / "step_00000006", one / "checkpoints" / "step_00000006")
-    torchrun(1, "train_fsdp.py", "--config", cfg, "--run_dir", one, *COMMON, timeout=300)
+    train_in_process(monkeypatch, capsys, "--config", cfg, "--run_dir", one, *COMMON)  # 1 rank, in this process
     got = losses(one)
     assert sorted(got) == list(range(7, 15))
     assert [r["step"] for r in metrics(one) if r.get("skipped")] == [k for k in skipped if k > 6]

@@ -14,10 +14,13 @@ import time
 import pytest
 import torch
 
+import diverge_worker
 from checkpoint import complete_checkpoints
+from data_pipeline.loader import GlobalBatchLoader
 from launch import (
     DEBUG,
     debug_run,
+    debug_run_in_process,
     kill_tree,
     losses,
     metrics,
@@ -25,7 +28,9 @@ from launch import (
     spawn,
     torchrun_command,
     wait_for_step,
+    wait_until_unlocked,
 )
+from parallel import runner as runner_module
 from test_restart import final_weights
 
 pytestmark = pytest.mark.slow
@@ -46,6 +51,22 @@ def _run(nproc, rd, *extra, env=FAULT, **kw):
     return debug_run(nproc, rd, *PLAIN, *GUARD, *extra, script="tests/diverge_worker.py", env=env, **kw)
 
 
+def _run_here(capsys, rd, *extra, env=FAULT, check=True):
+    """_run(1, rd, ...) in this process: _diverging."""
+    prepared_data_dir(rd)
+    return _diverging(capsys, env, rd, *PLAIN, *GUARD, *extra, check=check)
+
+
+def _diverging(capsys, env, rd, *args, check=True):
+    """tests/diverge_worker.py's 1-rank run of the debug config with args, in this process: its patches
+    (diverge_worker.inject of env["DIVERGE"]) around train_fsdp.main (launch.debug_run_in_process), then undone."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(GlobalBatchLoader, "next_step", GlobalBatchLoader.next_step)  # restored on leaving the block
+        m.setattr(runner_module, "token_loss_sums", runner_module.token_loss_sums)
+        diverge_worker.inject(env["DIVERGE"])
+        return debug_run_in_process(m, capsys, rd, *args, check=check)
+
+
 def _rollbacks(rd) -> list[dict]:
     return [r["rollback"] for r in metrics(rd) if "rollback" in r]
 
@@ -57,12 +78,13 @@ def _with_tables(path, skips):
     return path
 
 
-def _by_hand(tmp_path, rd_name, skips, nproc=1, *extra, env=FAULT):
-    """The reference: train_fsdp.py without the guard, with the skips as [[train.skip]] tables (and the fault)."""
+def _by_hand(capsys, tmp_path, rd_name, skips, *extra, env=FAULT):
+    """The reference: train_fsdp.py without the guard, with the skips as [[train.skip]] tables (and the fault), on 1
+    rank in this process."""
     config = _with_tables(tmp_path / f"{rd_name}.toml", skips)
     rd = tmp_path / rd_name
     prepared_data_dir(rd)
-    debug_run(nproc, rd, *PLAIN, *extra, "--config", str(config), script="tests/diverge_worker.py", env=env)
+    _diverging(capsys, env, rd, *PLAIN, *extra, "--config", str(config))
     return rd
 
 
@@ -88,11 +110,11 @@ def _assert_same(rd, reference, rtol, steps=STEPS):
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     rd = tmp_path_factory.mktemp("rollback") / "one"
-    _run(1, rd)
+    _run_here(None, rd)
     return rd
 
 
-def test_rollback_equals_a_fresh_run_with_its_skips_by_hand(one_rank, tmp_path):
+def test_rollback_equals_a_fresh_run_with_its_skips_by_hand(one_rank, tmp_path, capsys):
     """Three rollbacks, nested and disjoint: the outliers of batches 10-11 go back to step 8 and skip 9-11; batches 12-13,
     the next two drawn, go back further, to step 4, skipping 5-13 (which holds 9-11); batches 20-21 then go back to
     step 8 again, skipping 18-21. The three records pasted verbatim as [[train.skip]] tables are the same run: 1 rank
@@ -101,7 +123,7 @@ def test_rollback_equals_a_fresh_run_with_its_skips_by_hand(one_rank, tmp_path):
     assert [(r["to_step"], r["skip"]) for r in records] == [(8, [9, 11]), (4, [5, 13]), (8, [18, 21])], records
     assert all("outliers in a row" in r["trigger"] for r in records)
     assert [r["step"] for r in metrics(one_rank) if "rollback" in r] == [11, 10, 12]
-    reference = _by_hand(tmp_path, "by_hand", [r["skip"] for r in records])
+    reference = _by_hand(capsys, tmp_path, "by_hand", [r["skip"] for r in records])
     _assert_same(one_rank, reference, 1e-6)
     two = tmp_path / "two"
     _run(2, two)
@@ -109,7 +131,7 @@ def test_rollback_equals_a_fresh_run_with_its_skips_by_hand(one_rank, tmp_path):
     _assert_same(two, reference, 1e-4)
 
 
-def test_sigkill_after_a_rollback_then_resume_ends_as_the_uninterrupted_run(one_rank, tmp_path):
+def test_sigkill_after_a_rollback_then_resume_ends_as_the_uninterrupted_run(one_rank, tmp_path, capsys):
     rd = tmp_path / "killed"
     prepared_data_dir(rd)
     cmd = torchrun_command(1, "tests/diverge_worker.py", "--config", DEBUG, "--run_dir", rd, *PLAIN, *GUARD)
@@ -119,7 +141,8 @@ def test_sigkill_after_a_rollback_then_resume_ends_as_the_uninterrupted_run(one_
     finally:
         kill_tree(proc.pid)
         proc.wait()
-    _run(1, rd)
+    wait_until_unlocked(rd)  # its workers are gone: the resume starts at once, in this process
+    _run_here(capsys, rd)
     assert _rollbacks(rd) == _rollbacks(one_rank)
     _assert_same(rd, one_rank, 1e-6)
 
@@ -170,23 +193,23 @@ def _tree_hash(path) -> str:
     return h.hexdigest()
 
 
-def _apply_remedy(tmp_path, rd, line, argv, env, steps=STEPS):
+def _apply_remedy(capsys, tmp_path, rd, line, argv, env, steps=STEPS):
     """The stop's remedy as printed: its [[train.skip]] tables added to the config, then the same command; returns
     the tables."""
     tables = [(int(a), int(b)) for a, b in TABLE.findall(line.split(" add ", 1)[1])]
     assert tables and "to the --config file and run the same command" in line, line
     config = _with_tables(tmp_path / "remedy.toml", tables)
-    _run(1, rd, *argv, "--config", str(config), "--train.steps", str(steps), env=env)
+    _run_here(capsys, rd, *argv, "--config", str(config), "--train.steps", str(steps), env=env)
     return tables
 
 
-def test_a_spent_budget_names_the_checkpoint_the_next_run_resumes_from(tmp_path):
+def test_a_spent_budget_names_the_checkpoint_the_next_run_resumes_from(tmp_path, capsys):
     """The issue's run: batches 7-8 roll back to step 3 (budget 1, margin 2), skipping 4-8; then batch 20, at step
     15, is an outlier trained through and saved in step 15's checkpoint, and batch 21 diverges at step 16. The stop
     names step 12 and moves step 15 aside; its remedy applied as printed is a fresh run given its tables."""
     rd, argv = tmp_path / "spent", ["--train.rollback", "1", "--checkpoint.interval", "3", "--checkpoint.keep", "0"]
     env = {"DIVERGE": "7-8,20-21"}
-    line = _stop_line(_run(1, rd, *argv, env=env, check=False))
+    line = _stop_line(_run_here(capsys, rd, *argv, env=env, check=False))
     root = str(rd / "checkpoints")
     aside = os.path.join(root, "diverged_at_step_16")
     assert line.startswith("error: step 16: 2 outliers in a row"), line
@@ -196,17 +219,17 @@ def test_a_spent_budget_names_the_checkpoint_the_next_run_resumes_from(tmp_path)
             "end_step = 21 (the batches of steps 15-16) to the --config file") in line, line
     assert [c for c, _ in complete_checkpoints(root)] == [3, 6, 9, 12]
     assert [c for c, _ in complete_checkpoints(aside)] == [15]  # kept whole, where no resume looks
-    tables = _apply_remedy(tmp_path, rd, line, argv, env)
+    tables = _apply_remedy(capsys, tmp_path, rd, line, argv, env)
     assert not [r for r in _rollbacks(rd) if r["to_step"] >= 12]
-    _assert_same(rd, _by_hand(tmp_path, "by_hand", tables, env=env), 1e-6)
+    _assert_same(rd, _by_hand(capsys, tmp_path, "by_hand", tables, env=env), 1e-6)
 
 
-def test_a_divergence_before_the_first_usable_checkpoint_stops_and_the_next_run_starts_over(tmp_path):
+def test_a_divergence_before_the_first_usable_checkpoint_stops_and_the_next_run_starts_over(tmp_path, capsys):
     """Batch 5 is an outlier trained through and saved in step 5's checkpoint; batch 6 diverges at step 6, and no
     checkpoint is from step 3 or before. The stop moves step 5 aside; its remedy applied as printed (8 steps) is a
     fresh run given its table."""
     rd, argv, env, steps = tmp_path / "early", ["--checkpoint.interval", "5"], {"DIVERGE": "5-6"}, 8
-    line = _stop_line(_run(1, rd, *argv, "--train.steps", str(steps), env=env, check=False))
+    line = _stop_line(_run_here(capsys, rd, *argv, "--train.steps", str(steps), env=env, check=False))
     root = str(rd / "checkpoints")
     assert line.startswith("error: step 6: 2 outliers in a row"), line
     assert (f"no checkpoint in {root} is from step 3 or before (the first outlier, step 5, minus "
@@ -214,6 +237,6 @@ def test_a_divergence_before_the_first_usable_checkpoint_stops_and_the_next_run_
             f"were moved to {root}/diverged_at_step_6; add [[train.skip]] start_step = 5, end_step = 6 (the "
             f"batches of steps 5-6) to the --config file and run the same command") in line, line
     assert complete_checkpoints(root) == []
-    tables = _apply_remedy(tmp_path, rd, line, argv, env, steps)
+    tables = _apply_remedy(capsys, tmp_path, rd, line, argv, env, steps)
     assert not _rollbacks(rd)
-    _assert_same(rd, _by_hand(tmp_path, "by_hand", tables, 1, "--train.steps", str(steps), env=env), 1e-6, steps)
+    _assert_same(rd, _by_hand(capsys, tmp_path, "by_hand", tables, "--train.steps", str(steps), env=env), 1e-6, steps)

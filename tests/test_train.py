@@ -1,20 +1,26 @@
 """End-to-end training under torchrun on CPU/gloo: gradient accumulation on 2 ranks vs one big batch
-on one, the metrics a run must log, an odd-sized corpus over 2 ranks."""
+on one (train_fsdp.main in the test's process), the metrics a run must log, an odd-sized corpus over 2 ranks."""
 import math
 
 import pytest
 
-from launch import debug_run, losses, metrics, prepared_data_dir
+from launch import debug_run, debug_run_in_process, losses, metrics, prepared_data_dir
 
 pytestmark = pytest.mark.slow  # every test here trains under torchrun
 
 FAST = ["--train.steps", "4", "--checkpoint.interval", "1000", "--train.val_interval", "0"]
 
 
-def run(tmp_path, name, nproc, *overrides):
+def run(tmp_path, name, nproc, *overrides, here=None):
+    """The losses of a debug run of nproc ranks with FAST and overrides; here: (monkeypatch, capsys) runs a 1-rank one
+    in this process (launch.debug_run_in_process)."""
     rd = tmp_path / name
     prepared_data_dir(rd)
-    debug_run(nproc, rd, *FAST, *overrides, timeout=240)
+    if here:
+        assert nproc == 1
+        debug_run_in_process(*here, rd, *FAST, *overrides)
+    else:
+        debug_run(nproc, rd, *FAST, *overrides, timeout=240)
     return losses(rd)
 
 
@@ -23,10 +29,10 @@ def max_rel(a, b):
     return max(abs(a[k] - b[k]) / abs(b[k]) for k in a)
 
 
-def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, monkeypatch, capsys):
     # 1 rank x 1 batch of 16 against 2 ranks x 2 accumulated micro-batches of 4. Gradients
     # of other layouts against one process: tests/test_2d.py.
-    big = run(tmp_path, "big", 1)
+    big = run(tmp_path, "big", 1, here=(monkeypatch, capsys))
     accum = run(tmp_path, "accum2", 2, "--train.micro_batch_size", "4")
     assert max_rel(accum, big) <= 1e-5
 
