@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from core.errors import ConfigError
+from parallel.memory import host_memory
 
 GIB = 2 ** 30
 
@@ -64,9 +65,10 @@ GPUS = {g.name: g for g in (
     GPU("mi300x", 1307e12, 2615e12, 192 * 10 ** 9, 5.3e12, 448e9, 50e9, 0.45,
         "AMD Instinct MI300X data sheet: 1,307 TFLOP/s bf16, 2,615 fp8 dense, 192 GB HBM3 at 5.3 TB/s, 7 Infinity "
         "Fabric links of 64 GB/s each way, 400 Gb/s per GPU; efficiency lower than Hopper's (assumed)"),
-    GPU("cpu", 1.89e11, 0.0, 24 * GIB, 20e9, 0.30e9, 0.30e9, 0.72,
-        "this project's 2-core machine, one thread per gloo rank (torchrun's OMP_NUM_THREADS=1), 24 GiB shared by "
-        "its ranks: fp32 GEMM 189 GFLOP/s (observability.metrics.measured_cpu_peak_flops on 1 thread), gloo "
+    GPU("cpu", 1.89e11, 0.0, host_memory(), 20e9, 0.30e9, 0.30e9, 0.72,
+        "this project's 2-core machine, one thread per gloo rank (torchrun's OMP_NUM_THREADS=1), with the memory of "
+        "the machine that plans (parallel.memory.host_memory: a 16 GB laptop must not be told a run fits in 24), "
+        "shared by its ranks: fp32 GEMM 189 GFLOP/s (observability.metrics.measured_cpu_peak_flops on 1 thread), gloo "
         "all-gather 0.30 GB/s received (torchrun --nproc_per_node 2, 4 and 32 MiB per rank); the efficiency and "
         "the time per operator fitted to two 1-rank runs (the debug model and dim 512 x 8 layers: "
         "benchmarks/plan_bench.py, docs/planning.md); the time per DTensor operator fitted to a 2-rank tp 2 run",

@@ -129,7 +129,7 @@ def test_a_layout_the_trainer_refuses_is_refused_alike(bad, capsys, monkeypatch,
     (("--world_size", "0"), "--world_size"),
     (("--world_size", "1", "--gpu", "cpu", "--search", "--model.dim", "8192", "--model.n_layers", "1",
       "--train.global_batch_size", "256", "--data.seq_len", "512"),
-     "--search: no layout fits cpu's 24 GiB per rank; the smallest is"),
+     f"--search: no layout fits cpu's {GPUS['cpu'].memory / 2 ** 30:.0f} GiB per rank; the smallest is"),
     (("--world_size", "1", "--search", "--model.dim", "16384", "--model.n_layers", "32"),  # before any dry run
      "the model does not fit: its 26.51B parameters need at least 395.0 GiB on a rank for parameters, gradients"),
     (("--world_size", "2", "--json", "/"), "--json / is a folder"),
