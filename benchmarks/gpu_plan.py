@@ -18,13 +18,14 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
 from config import parse_config
+from gpu_speed import timed
 from model import flops_per_token
 from planning.gpus import gpu_named
+from training.planned import LAUNCHER_ENV
 from training.step import build_trainable, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +66,7 @@ def gpu_kind(device) -> str:
 def start_plan(words: list[str], gpu: str, out: str, search: bool = False) -> subprocess.Popen:
     """plan.py for one rank of `gpu` on the command line `words`, its JSON (or --search's list) written to out."""
     cmd = [sys.executable, os.path.join(ROOT, "plan.py"), *words, "--world_size", "1", "--gpu", gpu, "--json", out]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     return subprocess.Popen(cmd + (["--search"] if search else []), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**env, "CUDA_VISIBLE_DEVICES": ""})
 
@@ -83,18 +84,8 @@ def measure(words: list[str], steps: int, mesh, device) -> dict:
         tokens = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), device=device, generator=gen)
         train_step(tr, [(t[:, :-1], t[:, 1:]) for t in tokens.split(micro)])
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    tps = batch * seq / sorted(times)[len(times) // 2]
-    peak = torch.cuda.max_memory_allocated(device)
+    median_s, peak = timed(step, steps, device)
+    tps = batch * seq / median_s
     return {"tokens_per_sec": tps, "peak_bytes": peak,
             "mfu": tps * flops_per_token(cfg.model, seq) / gpu_named(gpu_kind(device)).bf16_flops}
 

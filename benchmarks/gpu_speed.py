@@ -70,6 +70,16 @@ def run_row(s: Setting, micro: int, steps: int, mesh, device) -> dict:
         tokens = torch.randint(0, cfg.model.vocab_size, (micro, s.seq_len + 1), device=device, generator=gen)
         train_step(tr, [(tokens[:, :-1], tokens[:, 1:])])
 
+    median_s, peak = timed(step, steps, device)
+    tps = micro * s.seq_len / median_s
+    return {**dataclasses.asdict(s), "micro_batch": micro, "tokens_per_sec": tps,
+            "mfu": tps * flops_per_token(cfg.model, s.seq_len) / (H200_BF16_TFLOPS * 1e12),
+            "peak_mem_gib": peak / 2**30}
+
+
+def timed(step, steps: int, device) -> tuple[float, int]:
+    """step() 3 times untimed (compilation, the optimizer's state), then `steps` times: (the median step in seconds,
+    torch.cuda.max_memory_allocated over the timed steps in bytes)."""
     for _ in range(3):
         step()
     torch.cuda.synchronize(device)
@@ -80,10 +90,7 @@ def run_row(s: Setting, micro: int, steps: int, mesh, device) -> dict:
         step()
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    tps = micro * s.seq_len / sorted(times)[len(times) // 2]
-    return {**dataclasses.asdict(s), "micro_batch": micro, "tokens_per_sec": tps,
-            "mfu": tps * flops_per_token(cfg.model, s.seq_len) / (H200_BF16_TFLOPS * 1e12),
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated(device)
 
 
 def _free() -> None:
