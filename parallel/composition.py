@@ -123,18 +123,6 @@ TABLE: list[Refusal] = [
             lambda c, _: f"parallel.tp is {c.parallel.tp}: tensor parallelism runs with train_2d.py",
             script="train_fsdp.py"),
     # EP's rows are of a mixture of experts: parallel.ep of a dense model is compose.check_moe's own refusal.
-    Refusal("parallel.ep > 1", "parallel.tp > 1", lambda c: _ep(c) and c.parallel.tp > 1, "not built yet",
-            "`parallel.ep 1`, or `parallel.tp 1` (EP with FSDP or HSDP)",
-            lambda c: [{"parallel.ep": 1}, {"parallel.tp": 1}],
-            lambda c, _: f"parallel.ep {c.parallel.ep} does not run with parallel.tp {c.parallel.tp} yet "
-                         f"(docs/moe.md); use parallel.ep 1 with parallel.tp {c.parallel.tp}, or parallel.ep with "
-                         f"FSDP or HSDP"),
-    Refusal("parallel.ep > 1", "parallel.cp > 1", lambda c: _ep(c) and c.parallel.cp > 1, "not built yet",
-            "`parallel.ep 1`, or `parallel.cp 1` (EP with FSDP or HSDP)",
-            lambda c: [{"parallel.ep": 1}, {"parallel.cp": 1}],
-            lambda c, _: f"parallel.ep {c.parallel.ep} does not run with parallel.cp {c.parallel.cp} yet "
-                         f"(docs/moe.md); use parallel.ep 1 with parallel.cp {c.parallel.cp}, or parallel.ep with "
-                         f"FSDP or HSDP"),
     # Eager, each pair runs (tests/test_moe.py, and compile with full checkpointing was run once); together, the
     # compiled blocks' recompute replays the experts' all-to-all and its waits in another order than their forward
     # did, and selective checkpointing's replay fails at the first backward (torch 2.13, CPU).

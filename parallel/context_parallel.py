@@ -34,7 +34,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from core.errors import SetupError
 from model import Transformer, attention
 from nn.documents import SequenceLayout, slice_layout
-from nn.moe import MoE
 from parallel.pipeline_stages import PassThrough
 
 
@@ -92,20 +91,13 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, mask, *, cp: int, group, 
 
 
 def apply_ulysses(model: Transformer, cp_mesh: DeviceMesh) -> None:
-    """Replace every layer's attention kernel (Attention.attend) by Ulysses over cp_mesh (1-D, "cp"), and give each
-    MoE feed-forward the sum over the CP group that its sequence-wise balance loss needs (MoE.sequence_sum)."""
+    """Replace every layer's attention kernel (Attention.attend) by Ulysses over cp_mesh (1-D, "cp"). (A mixture of
+    experts' balance loss sums its choices over the CP group: parallel/moe_sequence.py.)"""
     fn = functools.partial(ulysses_attention, cp=cp_mesh.size(), group=cp_mesh.get_group())
     for block in model.layers:
         if isinstance(block, PassThrough):  # another pipeline stage's
             continue
         block.attention.attend = fn
-        if isinstance(block.feed_forward, MoE):
-            block.feed_forward.sequence_sum = functools.partial(_sum_over, group=cp_mesh.get_group())
-
-
-def _sum_over(x: Tensor, group) -> Tensor:
-    """x summed over group's ranks, no autograd (a new tensor; x is left as it was)."""
-    return funcol.all_reduce(x.detach(), "sum", group).wait()
 
 
 def shard_batch(model: torch.nn.Module, inputs: Tensor, labels: Tensor, cp_mesh: DeviceMesh | None

@@ -25,6 +25,7 @@ from nn.moe import moe_layers
 from parallel import float8
 from parallel.accounting import account_step
 from parallel.layout import Mesh
+from parallel.moe_sequence import reduce_over_tp
 
 
 class StepHook:
@@ -73,10 +74,11 @@ def aux_of(hooks: list[StepHook], module: nn.Module, records: list | None = None
 
 class MoEHook(StepHook):
     """A mixture of experts' part: each step's token counts per expert and aux losses (device tensors, no host sync),
-    reduced over the loss ranks after backward, and DeepSeek-V3's bias update after an applied update."""
+    reduced over the ranks of distinct tokens after backward (with the MoE gradients over TP), and DeepSeek-V3's bias
+    update after an applied update."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, device, n_experts: int, aux_on: bool, bias_rate: float):
-        self.layers = moe_layers(model)
+        self.model, self.layers = model, moe_layers(model)
         """This rank's MoE layers (a pipeline stage's; none on a stage without one)."""
         self.mesh, self.device, self.n_experts = mesh, device, n_experts
         self.aux_on = aux_on
@@ -106,9 +108,19 @@ class MoEHook(StepHook):
             self.aux_sum += aux
 
     def after_backward(self) -> None:
-        """Sum the counts over the loss ranks: every rank then holds the global batch's."""
-        if self.layers:  # a pipeline stage without MoE layers: so are its data-parallel peers
-            dist.all_reduce(self.counts, group=self.mesh.loss.get_group())
+        """Sum the counts over the ranks holding their own tokens (the loss ranks, and the TP ranks, which route
+        their share of the sequence: parallel/moe_sequence.py): every rank then holds the global batch's. Under TP,
+        also sum the MoE parameters' gradients over the TP group."""
+        if not self.layers:  # a pipeline stage without MoE layers: so are its data-parallel peers
+            return
+        for group in self._token_groups():
+            dist.all_reduce(self.counts, group=group)
+        if self.mesh.tp is not None:
+            reduce_over_tp(self.model, self.mesh.tp.get_group())
+
+    def _token_groups(self) -> list:
+        """The process groups over which per-token sums add up to the global batch's: the loss ranks, then TP."""
+        return [self.mesh.loss.get_group()] + ([self.mesh.tp.get_group()] if self.mesh.tp is not None else [])
 
     def after_update(self, applied: bool) -> None:
         """DeepSeek-V3's aux-loss-free update after an applied update: each expert's bias += rate * sign(mean load -
@@ -135,7 +147,8 @@ class MoEHook(StepHook):
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=stages)
         out = {"moe_max_load": top[0].item(), "moe_bias_range": (top[1] + top[2]).item()}
         if self.aux_on:
-            dist.all_reduce(aux, group=self.mesh.loss.get_group())
+            for group in self._token_groups():
+                dist.all_reduce(aux, group=group)
             if stages is not None:
                 dist.all_reduce(aux, group=stages)
             out["moe_aux_loss"] = aux.item() / n_targets

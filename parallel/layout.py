@@ -18,7 +18,8 @@ The roles (``ROLES``):
                averages gradients over it
   fsdp         what fully_shard shards over (data x cp; 2-D (replicate, shard x cp) under HSDP)
   experts_fsdp what fully_shard shards the routed experts over under EP: the ranks that hold the
-               same experts (replicate x dp_mod_ep)
+               same experts and their own tokens (replicate x dp_mod_ep x cp; TP ranks hold the same
+               shards and sum their gradients after the backward, parallel/moe_sequence.py)
   ep, cp, tp   the expert-, context- and tensor-parallel groups
   pp           the pipeline: one rank per stage
   same_params  the ranks that hold the same parameters: everything but the pipeline
@@ -52,7 +53,7 @@ class ParallelConfig:
     """Context-parallel degree: each sequence is split into cp contiguous slices, one per rank of a CP group, with Ulysses attention (all-to-all of heads); FSDP shards over the data-parallel and CP ranks together. n_heads, n_kv_heads and seq_len must divide by cp (x tp). Both scripts."""
 
     ep: int = 1
-    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (pp x dp_replicate x cp x tp)); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts; tp 1 and cp 1 (docs/moe.md)."""
+    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (pp x dp_replicate x cp x tp)), each exchanging its own tokens (its share of the sequence under tp and cp); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts, with tp and cp (docs/moe.md)."""
 
     pp: int = 1
     """Pipeline-parallel stages (parallel/pipeline.py): the blocks split into pp contiguous stages, one per rank of a pipeline group, the outermost mesh dimension (so its point-to-point traffic is what crosses nodes). Both scripts; world = pp x data-parallel x cp x tp."""
@@ -146,7 +147,7 @@ class Layout:
         rep = ["dp_replicate"] if self.dp_replicate > 1 else []
         cp = ["cp"] if self.cp > 1 else []
         spans = {"data": rep + shard, "loss": rep + shard + cp, "fsdp": rep + shard + cp,
-                 "experts_fsdp": rep + ["dp_mod_ep"] if self.ep > 1 else [],
+                 "experts_fsdp": rep + ["dp_mod_ep"] + cp if self.ep > 1 else [],
                  "ep": ["ep"] if self.ep > 1 else [], "cp": cp, "tp": ["tp"] if self.tp > 1 else [],
                  "pp": ["pp"] if self.pp > 1 else [], "same_params": [n for n in names if n != "pp"]}
         return tuple(spans[role])
@@ -281,9 +282,14 @@ class Layout:
             shard_cp = flat(shard_dims + ("cp",), "dp_shard_cp")
             fsdp = mesh[rep + ("dp_shard_cp",)] if rep else shard_cp
             loss = flat(rep + shard_dims + ("cp",), "dp_cp") if rep else shard_cp
+        experts_fsdp = None
+        if self.ep > 1:  # dp_mod_ep with the CP ranks joined, as the shard dimension is for the other parameters
+            inner, inner_name = (flat(("dp_mod_ep", "cp"), "dp_mod_ep_cp"), "dp_mod_ep_cp") if self.cp > 1 else (
+                mesh["dp_mod_ep"], "dp_mod_ep")
+            experts_fsdp = mesh[rep + (inner_name,)] if rep else inner
         same = self.role_dims("same_params")
         same_params = flat(same, "stage").get_group() if self.pp > 1 else None
-        return Mesh(self, mesh, data=data, loss=loss, fsdp=fsdp, experts_fsdp=sub("experts_fsdp"), ep=sub("ep"),
+        return Mesh(self, mesh, data=data, loss=loss, fsdp=fsdp, experts_fsdp=experts_fsdp, ep=sub("ep"),
                     cp=sub("cp"), tp=sub("tp"), pp=sub("pp"), same_params=same_params)
 
 

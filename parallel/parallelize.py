@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed._composable import checkpoint as activation_checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInputOutput, parallelize_module
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from model import ModelArgs, Transformer
@@ -28,6 +28,7 @@ from parallel import float8
 from parallel.context_parallel import apply_ulysses
 from parallel.expert_parallel import apply_expert_parallel, shard_experts
 from parallel.layout import Mesh, ParallelConfig
+from parallel.moe_sequence import local_tokens, split_sequences
 from parallel.pipeline_stages import ZERO_BUBBLE, PassThrough, prune, rank_stages, stage_modules, stages_per_rank
 
 TPPlan = dict[str, ParallelStyle]
@@ -88,6 +89,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: ParallelConfig, *, dtype: s
             print(float8.describe(float8_recipe, kept), flush=True)
     if mesh.cp is not None:
         apply_ulysses(model, mesh.cp)
+    split_sequences(model, [m for m in (mesh.cp, mesh.tp) if m is not None])
     if mesh.ep is not None:
         apply_expert_parallel(model, mesh.ep)
     for block in stage_blocks(model):
@@ -130,13 +132,9 @@ def stage_blocks(model: Transformer) -> list[torch.nn.Module]:
 def plan_for(plan: TPPlan, model: Transformer) -> TPPlan:
     """plan as it applies to model: its "layers.*" entries written out for each block the model holds (a pipeline
     stage's, pipeline_stages.prune), its other entries for the modules it holds, and each MoE block's
-    feed-forward computed whole on every TP rank of its group.
-
-    The MoE's input, sharded on the sequence between blocks, is all-gathered over TP, the router
-    and experts run unsplit as plain tensors (FSDP2 shards them over the data-parallel ranks
-    only; each TP rank computes the same gradient), and the output is sliced back to this
-    rank's part of the sequence. Exact, at the cost of repeating the MoE's compute tp times
-    (docs/moe.md).
+    feed-forward run on this rank's share of the sequence (moe_sequence.local_tokens: the router and experts as
+    plain tensors, which FSDP2 shards over the data-parallel ranks; their gradients are summed over TP after the
+    backward, parallel/hooks.MoEHook).
     """
     out = {k: v for k, v in plan.items() if not k.startswith("layers.*.") and getattr(model, k.split(".")[0]) is not None}
     for i, block in enumerate(model.layers):
@@ -146,9 +144,7 @@ def plan_for(plan: TPPlan, model: Transformer) -> TPPlan:
         out.update({k.replace("layers.*.", f"layers.{i}.", 1): v for k, v in plan.items()
                     if k.startswith("layers.*.") and not (moe and k.startswith("layers.*.feed_forward"))})
         if moe:
-            out[f"layers.{i}.feed_forward"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+            out[f"layers.{i}.feed_forward"] = local_tokens()
     return out
 
 

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-import train_2d
+import train_fsdp
 from config import BatchStage, Config, parse_config
 from core.errors import SetupError
 from evaluation.downstream import TaskConfig
@@ -22,8 +22,6 @@ from parallel.composition import TABLE, check_composition, refusals, words
 MOE = {"model.n_experts": 4, "model.experts_per_token": 2}
 EXAMPLES = {
     ("train_fsdp.py", "parallel.tp > 1"): {"parallel.tp": 2},
-    ("parallel.ep > 1", "parallel.tp > 1"): {**MOE, "parallel.ep": 2, "parallel.tp": 2},
-    ("parallel.ep > 1", "parallel.cp > 1"): {**MOE, "parallel.ep": 2, "parallel.cp": 2},
     ("parallel.ep > 1", "train.activation_checkpointing selective with train.compile true"):
         {**MOE, "parallel.ep": 2, "train.activation_checkpointing": "selective", "train.compile": True},
     ("model.n_experts > 0", "train.float8 tensorwise or rowwise"): {**MOE, "train.float8": "rowwise"},
@@ -118,10 +116,11 @@ def test_rows_with_one_line_are_named_together_and_the_first_is_printed_naming_t
 
 
 def test_the_table_is_checked_before_the_sizes(tmp_path, monkeypatch, capsys):
-    """parallel.ep 2 does not divide 3 experts, and does not run with parallel.tp 2: the pair is named first, so
-    that no parallel.ep the size check offers (3 would divide the experts) is then refused with the same tp."""
-    argv = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2", "--parallel.ep", "2",
-            "--model.n_experts", "3", "--model.experts_per_token", "2"]
-    with before_any_collective(monkeypatch, 4):
-        line = refused(train_2d.main, argv, capsys)
-    assert line.startswith("error: parallel.ep 2 does not run with parallel.tp 2 yet"), line
+    """parallel.ep 2 does not divide 3 experts, and does not run with selective checkpointing and compile together:
+    the pair is named first, so that no parallel.ep the size check offers (3 would divide the experts) is then
+    refused with the same settings."""
+    argv = ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.ep", "2", "--model.n_experts", "3",
+            "--model.experts_per_token", "2", "--train.activation_checkpointing", "selective", "--train.compile", "true"]
+    with before_any_collective(monkeypatch, 2):
+        line = refused(train_fsdp.main, argv, capsys)
+    assert line.startswith("error: parallel.ep 2 does not run with train.activation_checkpointing selective"), line

@@ -285,8 +285,10 @@ TOP_1_REFUSAL = ("error: model.experts_per_token 1 with model.moe_renormalize tr
     ([*MOE, "--parallel.ep", "4"], "parallel.ep (4) does not divide the 2 data-parallel shard rank(s) (world size 2 "
                                    "/ (dp_replicate 1 x cp 1 x tp 1)) that expert parallelism splits; use parallel.ep "
                                    "in [1, 2] or launch a multiple of 4 processes"),
-    ([*MOE, "--parallel.ep", "2", "--parallel.cp", "2"], "parallel.ep 2 does not run with parallel.cp 2 yet "
-                                                         "(docs/moe.md); use parallel.ep 1 with parallel.cp 2"),
+    ([*MOE, "--parallel.ep", "2", "--parallel.cp", "2"], "parallel.ep (2) does not divide the 1 data-parallel shard "
+                                                         "rank(s) (world size 2 / (dp_replicate 1 x cp 2 x tp 1)) that "
+                                                         "expert parallelism splits; use parallel.ep in [1] or launch "
+                                                         "a multiple of 8 processes"),
     ([*MOE, "--parallel.ep", "0"], "parallel.ep must be >= 1, got 0"),
     ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf: '/nonexistent' is not a directory"),
 ])
@@ -421,12 +423,14 @@ def test_expert_parallelism_with_selective_checkpointing_and_compile_together_is
                 train_fsdp.main([*base, *fix])
 
 
-def test_expert_parallelism_with_tensor_parallelism_is_refused(tmp_path, monkeypatch, capsys):
-    with before_any_collective(monkeypatch, 4):
+def test_expert_parallelism_borrows_only_data_parallel_ranks_under_tensor_parallelism(tmp_path, monkeypatch, capsys):
+    """EP with TP runs (MOE_LAYOUTS' ep2-tp2) where the data-parallel ranks hold the EP group; at tp 2 on 2 ranks
+    there is one, and the size check says so before any collective."""
+    with before_any_collective(monkeypatch, 2):
         line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
                                        "--parallel.ep", "2", *MOE], capsys)
-    assert "parallel.ep 2 does not run with parallel.tp 2 yet (docs/moe.md); use parallel.ep 1 with parallel.tp 2, " \
-        "or parallel.ep with FSDP or HSDP" in line, line
+    assert "parallel.ep (2) does not divide the 1 data-parallel shard rank(s) (world size 2 / (dp_replicate 1 x cp 1 " \
+        "x tp 2)) that expert parallelism splits; use parallel.ep in [1] or launch a multiple of 4 processes" in line, line
 
 
 @pytest.fixture(scope="module")
@@ -514,11 +518,15 @@ MOE_LAYOUTS = {
     "cp2": (2, 1, [], ["--parallel.cp", "2"]),
     "fsdp4-ep2-muon": (4, 1, MUON, [*MUON, *EP2]),
     "hsdp2-ep2": (4, 1, [], [*EP2, "--parallel.dp_replicate", "2"]),
+    "ep2-tp2": (4, 2, [], EP2),
+    "ep2-cp2": (4, 1, [], [*EP2, "--parallel.cp", "2"]),
 }
 """id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2 plain, with recomputed activations,
 with Muon; expert parallelism over 2 ranks, with each activation checkpointing (none, full, selective: the experts'
 own fully_shard group runs its hooks inside the recomputed block); tensor parallelism (train_2d.py's plan); context
-parallelism; and experts both split over EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP with EP inside a replica."""
+parallelism (each rank routes its own share of the sequence, parallel/moe_sequence.py); and experts both split over
+EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP with EP inside a replica; EP with TP and with CP
+(each EP rank sends its own share of the sequence)."""
 
 
 @pytest.mark.slow

@@ -151,10 +151,10 @@ def train_step(s: Trainable, micro_batches, after_backward: Callable[[torch.nn.M
     for hook in s.hooks:
         hook.begin()
     loss_sum, z_sum = s.runner.forward_backward(micro_batches, n_targets, s.hooks)
+    for hook in s.hooks:  # a mixture of experts' gradients under TP are complete after its hook
+        hook.after_backward()
     if after_backward is not None:
         after_backward(s.model)
-    for hook in s.hooks:
-        hook.after_backward()
     result = StepResult(loss_sum, torch.zeros(()), lr, n_targets, z_sum)
     veto = None
     if t.spike_skip:
