@@ -24,7 +24,7 @@ The routed experts are 3-D parameters: w1, w3 (n_experts, expert_ffn_dim, dim), 
 (n_experts, dim, expert_ffn_dim). Tokens are sorted by expert and each projection is one
 grouped matmul (nn/grouped_mm.py: torch._grouped_mm on CPU in fp32, bf16, fp16 and on CUDA in bf16;
 a loop over the experts, the same math, where the kernel does not run). Sorting and unsorting
-are index ops on the device: no host sync there.
+are index ops on the device and the counts a scatter-add: no host sync there.
 Layer 1: imports torch, nn/grouped_mm.py and nn/roles.py only; no distributed code.
 """
 from __future__ import annotations
@@ -79,6 +79,14 @@ class SharedExperts(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def expert_counts(choice: Tensor, n_experts: int) -> Tensor:
+    """(n_experts,) int64: how many of choice's entries (rows,) int64 in [0, n_experts) name each expert.
+
+    A scatter-add of ones, where torch.bincount would read the largest id back to the host to size its output (a
+    sync on CUDA every layer). planning/dryrun.py replaces this function to plant a planned load."""
+    return torch.zeros(n_experts, dtype=torch.int64, device=choice.device).scatter_add_(0, choice, torch.ones_like(choice))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -138,8 +146,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, dim)
         ids, weights, scores, logits = self.route(flat)
         choice = ids.flatten()  # (tokens * k): token t's j-th expert at t * k + j
-        # bincount syncs on CUDA (it reads the largest id), but planning/dryrun.py plants the planned load through it
-        counts = torch.bincount(choice, minlength=self.n_experts)
+        counts = expert_counts(choice, self.n_experts)
         order = torch.argsort(choice, stable=True)
         routed = self.experts(flat[order // self.top_k], counts)  # (tokens * k, dim), sorted by expert
         out = torch.empty_like(routed)

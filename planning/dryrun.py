@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from config import Config
+from nn import moe
 from parallel import parallelize
 from parallel.accounting import account_step, held_bytes
 from parallel.layout import ROLES, Layout
@@ -77,7 +78,7 @@ class HostValues(TorchDispatchMode):
 
     A scalar read by the host (the gradient norm's finiteness check, a loss read for a log line)
     is 1: the step proceeds as a finite one. A mixture of experts' token counts per expert
-    (torch.bincount of the routing) are the planned load: the mean on every expert, the first
+    (nn.moe.expert_counts, replaced by planned_counts) are the planned load: the mean on every expert, the first
     one at max_load times the mean, the rest shared by the others, as real (not fake) tensors, so
     the sizes the layer splits by are real; under expert parallelism every rank is taken to
     route alike, so the counts an all-to-all exchanges come back as sent. An op whose inputs are
@@ -85,7 +86,7 @@ class HostValues(TorchDispatchMode):
     integer arange (the index arithmetic on the counts).
     """
 
-    SPECIAL = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.bincount.default)
+    SPECIAL = (torch.ops.aten._local_scalar_dense.default,)
 
     def __init__(self, max_load: float = 1.0):
         super().__init__()
@@ -107,15 +108,15 @@ class HostValues(TorchDispatchMode):
                 return func(*args, **kwargs)
         if func is torch.ops.aten._local_scalar_dense.default:
             return 1.0 if args[0].dtype.is_floating_point else 1
-        if func is torch.ops.aten.bincount.default:
-            return self.planned_counts(args[0].numel(), kwargs.get("minlength", args[2] if len(args) > 2 else 0))
         if func.overloadpacket is torch.ops.aten.arange and not (kwargs.get("dtype") or torch.int64).is_floating_point:
             with unset_fake_temporarily():  # index arithmetic on those real counts (expert_parallel._expert_major)
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def planned_counts(self, n: int, n_experts: int) -> torch.Tensor:
-        """(n_experts,) int64 counts summing to n: the first expert at min(max_load x mean, n), the rest even."""
+    def planned_counts(self, choice: torch.Tensor, n_experts: int) -> torch.Tensor:
+        """(n_experts,) int64 counts summing to n = choice.numel(): the first expert at min(max_load x mean, n), the
+        rest even (nn.moe.expert_counts's stand-in)."""
+        n = choice.numel()
         with unset_fake_temporarily():
             first = min(n, math.ceil(self.max_load * n / n_experts)) if n_experts > 1 else n
             rest = torch.full((n_experts - 1,), (n - first) // max(1, n_experts - 1), dtype=torch.int64)
@@ -270,8 +271,10 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
         dp = mesh.size("data")
         micro, per_rank = t.micro_batch(dp), t.global_batch_size // dp
         n_micro = per_rank // micro
-        with FakeTensorMode(allow_non_fake_inputs=True), HostValues(max_load), own_propagation(), \
+        host = HostValues(max_load)
+        with FakeTensorMode(allow_non_fake_inputs=True), host, own_propagation(), \
                 mock.patch.object(parallelize, "copy_sharded", keep_shard), \
+                mock.patch.object(moe, "expert_counts", host.planned_counts), \
                 static_stages(cfg, layout) if layout.pp > 1 else contextlib.nullcontext():
             tr = build_trainable(cfg, rank, mesh, device, tp_plan)
             optimizer_state(tr.optimizer, tr.model)

@@ -288,7 +288,7 @@ TOP_1_REFUSAL = ("error: model.experts_per_token 1 with model.moe_renormalize tr
     ([*MOE, "--parallel.ep", "2", "--parallel.cp", "2"], "parallel.ep (2) does not divide the 1 data-parallel shard "
                                                          "rank(s) (world size 2 / (dp_replicate 1 x cp 2 x tp 1)) that "
                                                          "expert parallelism splits; use parallel.ep in [1] or launch "
-                                                         "a multiple of 8 processes"),
+                                                         "a multiple of 4 processes"),
     ([*MOE, "--parallel.ep", "0"], "parallel.ep must be >= 1, got 0"),
     ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf: '/nonexistent' is not a directory"),
 ])
