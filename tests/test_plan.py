@@ -31,9 +31,10 @@ LAYOUTS = {
         ("--train.activation_checkpointing", "full", "--train.micro_batch_size", "4"), ("--parallel.pp", "2"),
         ("--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B")],
     4: [(), ("--parallel.dp_replicate", "2"), ("--parallel.tp", "2"), ("--parallel.tp", "2", "--parallel.cp", "2", "--model.n_kv_heads", "4"),
-        (*MOE, "--parallel.ep", "2", "--train.loss_chunk_size", "64")],
+        (*MOE, "--parallel.ep", "2", "--train.loss_chunk_size", "64"), (*MOE, "--parallel.ep", "2", "--parallel.tp", "2")],
 }
-"""The layouts whose plans are held against real runs: FSDP, HSDP, dp x tp, CP, EP, checkpointing with accumulation."""
+"""The layouts whose plans are held against real runs: FSDP, HSDP, dp x tp, CP, EP, checkpointing with accumulation,
+EP x TP (each TP rank routing its own tokens)."""
 
 
 def planned(overrides, world: int, rank: int):
