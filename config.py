@@ -117,7 +117,7 @@ class TrainConfig:
     rollback_lr_factor: float = 1.0
     """Each rollback multiplies every LR of the schedule from then on by this factor, in (0, 1] (1: the LR is kept)."""
     float8: Literal["off", "tensorwise", "rowwise"] = "off"
-    """Float8 matmuls in the blocks' Linear layers through torchao (pip install -e ".[float8]"; CUDA compute capability 8.9+: H100, H200 or newer): 'tensorwise' (float8 FSDP all-gather), 'rowwise' (closer to bf16, slower), or 'off'. The output projection stays in high precision; checkpoints are the same as without. train_fsdp.py only."""
+    """Float8 matmuls in the blocks' Linear layers through torchao (pip install -e ".[float8]"; CUDA compute capability 8.9+: H100, H200 or newer): 'tensorwise' (float8 FSDP all-gather), 'rowwise' (closer to bf16, slower), or 'off'. The output projection, and an MoE's routers and routed experts, stay in high precision; checkpoints are the same as without. train_fsdp.py only."""
     collective_timeout_s: float = 300.0
     """Seconds (>= 1) a collective of the training loop waits for a peer rank from step 2 on; then this rank stops with one line naming the step (a hung or lost peer). Start-up and step 1 (compilation) wait up to 30 minutes, data preparation up to 24 hours."""
 

@@ -5,7 +5,7 @@ Each module class of the model declares its own tensors' roles once, in a class 
 (``"wq.weight"`` for an ``nn.Linear``, which declares nothing itself). Everything that treats
 parameters differently reads the role instead of matching names: the initial std and the
 mup/completep LR multipliers (nn/parametrization.py), Muon's groups (optimization/), float8's
-high-precision readout (parallel/float8.py), the multipliers folded into an export (hf.py).
+high-precision readout and routers (parallel/float8.py), the multipliers folded into an export (hf.py).
 A tensor that no module declares, or that two declare, is an error (roles raises), so a new
 parameter cannot silently fall back to some default; tests/test_roles.py builds every kind of
 model and checks it.

@@ -112,11 +112,6 @@ def _ep(c) -> bool:
     return c.model.n_experts > 0 and c.parallel.ep > 1
 
 
-def _dense(c) -> dict[str, Any]:
-    """A dense model as settings: no experts, and at parallel.ep 1 (which splits experts only)."""
-    return {"model.n_experts": 0, "model.experts_per_token": 0, **({"parallel.ep": 1} if c.parallel.ep > 1 else {})}
-
-
 TABLE: list[Refusal] = [
     Refusal("train_fsdp.py", "parallel.tp > 1", lambda c: c.parallel.tp > 1, "tensor parallelism is train_2d.py's plan",
             "`train_2d.py`", lambda c: [],
@@ -135,13 +130,6 @@ TABLE: list[Refusal] = [
             lambda c, _: f"parallel.ep {c.parallel.ep} does not run with train.activation_checkpointing selective "
                          f"and train.compile true together yet (docs/moe.md); use train.activation_checkpointing "
                          f"full, or train.compile false"),
-    Refusal("model.n_experts > 0", "train.float8 tensorwise or rowwise",
-            lambda c: c.model.n_experts > 0 and c.train.float8 != "off", "not built yet",
-            "`train.float8 off`, or a dense model (`model.n_experts 0`, at `parallel.ep 1`)",
-            lambda c: [{"train.float8": "off"}, _dense(c)],
-            lambda c, _: f"model.n_experts {c.model.n_experts} (mixture of experts) does not run with train.float8 "
-                         f"{c.train.float8} yet (docs/moe.md); use train.float8 off or train a dense model"
-                         f"{' at parallel.ep 1' if c.parallel.ep > 1 else ''}"),
     _pp_row("train.float8 tensorwise or rowwise", lambda c: c.train.float8 != "off", {"train.float8": "off"},
             "not built yet"),
     # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.

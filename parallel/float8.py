@@ -16,6 +16,13 @@ reports its fp32 dtype and saves as a plain tensor). The output projection (the 
 is declared Role.READOUT, nn/roles.py) stays out (torchtitan and OLMo-core keep it in bf16: it sets
 the logits' precision), and so does any Linear whose in or out features are not multiples of 16
 (torch._scaled_mm's constraint).
+
+A mixture of experts: attention, the shared experts and the dense feed-forwards of the first
+layers (model.moe_first_dense) are Linear layers and run in float8; each MoE router (Role.ROUTER)
+stays out, as DeepSeek-V3 keeps its gate in high precision (its scores pick the experts), and the
+routed experts (GroupedExperts, 3-D parameters through nn/grouped_mm.py) are no Linear and stay in
+the training dtype: torchao's float8 grouped matmul (torchao.prototype.moe_training) is CUDA-only
+and not wired in until a GPU checks it.
 Source: torchao.float8 (pytorch/ao, torchao/float8/README.md), torchtitan's float8 converter.
 """
 from __future__ import annotations
@@ -38,8 +45,7 @@ def check(recipe: str, device: torch.device) -> None:
     recipe: train.float8. MissingPackageError without torchao (the float8 extra); SetupError
     on a CUDA GPU older than compute capability 8.9 (float8 matmuls need Ada/Hopper or newer).
     On a CPU it trains, and rank 0 prints cpu_notice's line once (the matmuls are emulated).
-    What float8 does not run with (parallel.tp > 1, parallel.pp > 1, a mixture of experts) is
-    composition.TABLE's.
+    What float8 does not run with (parallel.tp > 1, parallel.pp > 1) is composition.TABLE's.
     """
     if recipe == "off":
         return
@@ -103,13 +109,19 @@ def _import_torchao():
     return require("torchao.float8", "float8", "train.float8")  # an old torchao lacks it
 
 
-def readouts(model: torch.nn.Module) -> set[str]:
-    """Names of the modules whose weight is declared the readout (nn/roles.py: Role.READOUT), kept out of float8."""
-    return {name.rpartition(".")[0] for name, role in roles(model, strict=False).items() if role is Role.READOUT}
+HIGH_PRECISION = (Role.READOUT, Role.ROUTER)
+"""The roles whose Linear layers stay out of float8 (module docstring): the readout and the MoE routers."""
+
+
+def held_out(model: torch.nn.Module) -> dict[str, Role]:
+    """{module name: role} of the modules whose weight is declared one of HIGH_PRECISION (nn/roles.py), kept out of
+    float8: 'output' -> Role.READOUT, 'layers.1.feed_forward.router' -> Role.ROUTER."""
+    return {name.rpartition(".")[0]: role for name, role in roles(model, strict=False).items()
+            if role in HIGH_PRECISION}
 
 
 def convertible(module: torch.nn.Module, name: str, excluded: set[str] = frozenset()) -> bool:
-    """Whether the Linear `name` becomes a Float8Linear: not in excluded (the readouts), both dims multiples of 16."""
+    """Whether the Linear `name` becomes a Float8Linear: not in excluded (held_out's), both dims multiples of 16."""
     if not isinstance(module, torch.nn.Linear):
         return True  # torchao asks about every module on its way down; only Linear layers are swapped
     return name not in excluded and module.in_features % 16 == 0 and module.out_features % 16 == 0
@@ -120,16 +132,19 @@ def convert(model: torch.nn.Module, recipe: str) -> list[str]:
 
     recipe: 'tensorwise' (with FSDP2's float8 all-gather) or 'rowwise'. Works on the meta
     device (before to_empty): the swap keeps each module's name and its weight Parameter.
-    Returns the names of the Linear layers left in high precision (the output projection,
-    and those whose dims are not multiples of 16), for the start-up line.
+    Returns the names of the Linear layers left in high precision for the start-up line: the
+    output projection, and those whose dims are not multiples of 16. The MoE routers stay out
+    too but are not listed (one per MoE layer): describe names them with the routed experts.
     """
     ao = _import_torchao()
     if recipe == "tensorwise":
         config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     else:  # the float8 all-gather needs tensorwise scales (torchao asserts it)
         config = ao.Float8LinearConfig.from_recipe_name(recipe)
-    keep = functools.partial(convertible, excluded=readouts(model))
-    kept = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not keep(m, name)]
+    held = held_out(model)
+    keep = functools.partial(convertible, excluded=set(held))
+    kept = [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not keep(m, name) and held.get(name) is not Role.ROUTER]
     ao.convert_to_float8_training(model, config=config, module_filter_fn=keep)
     return kept
 
@@ -154,10 +169,15 @@ def precompute_scales(model: torch.nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def describe(recipe: str, kept: list[str]) -> str:
-    """The start-up line's words: the recipe, the all-gather, and the Linear layers left in high precision."""
+def describe(recipe: str, kept: list[str], moe_layers: int = 0) -> str:
+    """The start-up line's words: the recipe, the all-gather, the Linear layers left in high precision, and with
+    moe_layers MoE feed-forwards, that their routers and routed experts stay in the training dtype."""
     gather = "float8 all-gather" if recipe == "tensorwise" else "bf16/fp32 all-gather"
-    return f"[train] float8 {recipe} ({gather}); kept in high precision: {', '.join(kept) or 'none'}"
+    line = f"[train] float8 {recipe} ({gather}); kept in high precision: {', '.join(kept) or 'none'}"
+    if moe_layers:
+        line += (f"; in the training dtype: the routers and routed experts of {moe_layers} MoE "
+                 f"layer{'s' if moe_layers > 1 else ''}")
+    return line
 
 
 def plain_state_dict(state: dict) -> dict:

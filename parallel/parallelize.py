@@ -86,7 +86,8 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: ParallelConfig, *, dtype: s
         # would have to replace train_2d.py's plan.
         kept = float8.convert(model, float8_recipe)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(float8.describe(float8_recipe, kept), flush=True)
+            moe = sum(isinstance(m, MoE) for m in model.modules())
+            print(float8.describe(float8_recipe, kept, moe), flush=True)
     if mesh.cp is not None:
         apply_ulysses(model, mesh.cp)
     split_sequences(model, [m for m in (mesh.cp, mesh.tp) if m is not None])

@@ -275,7 +275,6 @@ TOP_1_REFUSAL = ("error: model.experts_per_token 1 with model.moe_renormalize tr
     ([*MOE, "--model.expert_ffn_dim", "-1"], "model.expert_ffn_dim must be >= 0 (0: model.ffn_dim), got -1"),
     ([*MOE, "--model.moe_score", "relu"], "model.moe_score must be one of softmax, sigmoid, got 'relu'"),
     ([*MOE, "--model.moe_first_dense", "4"], "model.moe_first_dense must be in 0..model.n_layers-1 (3), got 4"),
-    ([*MOE, "--train.float8", "tensorwise"], "does not run with train.float8 tensorwise yet"),
     (["--parallel.ep", "2"], "parallel.ep 2 splits the experts of a mixture of experts, and model.n_experts is 0 "
                              "(dense); set --model.n_experts (a multiple of 2) or use parallel.ep 1"),
     (["--model.n_experts", "4", "--model.experts_per_token", "1"], TOP_1_REFUSAL),
