@@ -86,7 +86,7 @@ PP_LAYOUTS = {
     "pp2-looped-bfs": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "LoopedBFS"]),
     "pp2-fsdp2": (4, 1, ["--parallel.pp", "2"]),
     "pp4": (4, 1, ["--parallel.pp", "4"]),
-    "pp2-tp2": (4, 2, ["--parallel.pp", "2"]),
+    "pp2-tp2-moe": (4, 2, ["--parallel.pp", "2"]),
     "pp2-tp2-interleaved": (4, 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
     "pp2-cp2": (4, 1, ["--parallel.pp", "2", "--parallel.cp", "2"]),
     "pp2-interleaved-docmask": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
@@ -99,7 +99,8 @@ PP_LAYOUTS = {
     "pp2-interleaved-chunked": (2, 1, ["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B"]),
 }
 """id: (ranks, tp, flags): 1F1B (also with selective activation checkpointing) and GPipe over 2 stages; 2 stages
-per rank (Interleaved1F1B, LoopedBFS and the zero-bubble schedules: 4 stages of one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan) and x CP 2; 4 stages of one block each. A layout
+per rank (Interleaved1F1B, LoopedBFS and the zero-bubble schedules: 4 stages of one block); 2 stages x FSDP 2, x TP 2 (train_2d.py's plan; with 1F1B
+an MoE, each TP rank routing its own tokens) and x CP 2; 4 stages of one block each. A layout
 named "-docmask", "-muon", "-moe" or "-chunked" and its 1-rank reference both run with model.document_mask, optim.name
 muon, a mixture of experts (4 experts top-2, aux loss and bias update, layer 0 dense: a stage without MoE) or the
 chunked loss with the z-loss (the last stage takes it in its forward) (SHARED)."""
