@@ -57,15 +57,16 @@ def _sum_over(x: Tensor, groups: tuple) -> Tensor:
     return x
 
 
-def reduce_over_tp(model: nn.Module, group: dist.ProcessGroup) -> None:
+def reduce_over_tp(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
     """Sum the gradients of every MoE layer's parameters of model over group (the TP ranks), in place, with one
-    all-reduce; call once the step's gradients are complete. A parameter without a gradient (its layer ran no
-    token this step) is left out on every rank alike: the ranks of a TP group hold the same layers."""
+    all-reduce on device (the gradients may sit in CPU memory under parallel.cpu_offload); call once the step's
+    gradients are complete. A parameter without a gradient is left out on every rank alike: the ranks of a TP
+    group hold the same layers and run the same experts' code."""
     grads = [p.grad for moe in moe_layers(model) for p in moe.parameters() if p.grad is not None]
     if not grads:
         return
     local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
-    flat = torch.cat([g.reshape(-1) for g in local])
+    flat = torch.cat([g.reshape(-1).to(device) for g in local])
     dist.all_reduce(flat, group=group)
     offset = 0
     for g in local:
