@@ -64,7 +64,8 @@ def fit_batch(cfg: Config, world_size: int, given: bool) -> str:
 def candidates(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict]:
     """The settings --search tries, in the order it tries them: for a dense model tensor parallelism inside a node,
     times pipeline stages across nodes; for a mixture of experts, expert parallelism over a node's ranks (or the
-    experts, when fewer) instead, as EP x TP is refused."""
+    experts, when fewer) at tp 1: EP x TP runs (parallel/moe_sequence.py) but is not searched, to keep the search
+    to two plans per setting (the field trains its MoEs without TP: fine-grained experts are too narrow to split)."""
     out = []
     if cfg.model.n_experts:
         eps = sorted({1, math.gcd(gpus_per_node, cfg.model.n_experts, world_size)})
