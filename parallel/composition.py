@@ -130,6 +130,17 @@ TABLE: list[Refusal] = [
             lambda c, _: f"parallel.ep {c.parallel.ep} does not run with train.activation_checkpointing selective "
                          f"and train.compile true together yet (docs/moe.md); use train.activation_checkpointing "
                          f"full, or train.compile false"),
+    # Under TP an MoE's parameters are plain tensors sharded over the data-parallel ranks only (parallel/moe_sequence.py),
+    # and the distributed Muon hands out whole matrices over every rank holding the same parameters, which it
+    # finds from meshes that span them all (optimization/muon.py).
+    Refusal("optim.name muon", "model.n_experts > 0 with parallel.tp > 1",
+            lambda c: c.optim.name == "muon" and c.model.n_experts > 0 and c.parallel.tp > 1,
+            "the MoE's parameters are sharded over the data-parallel ranks only, not over the TP ranks Muon "
+            "hands its matrices to", "`optim.name adamw`, or `parallel.tp 1` (Muon with EP, FSDP or HSDP)",
+            lambda c: [{"optim.name": "adamw"}, {"parallel.tp": 1}],
+            lambda c, _: f"optim.name muon does not run with a mixture of experts (model.n_experts "
+                         f"{c.model.n_experts}) at parallel.tp {c.parallel.tp} yet (docs/moe.md); use optim.name "
+                         f"adamw, or parallel.tp 1 with train_fsdp.py"),
     _pp_row("train.float8 tensorwise or rowwise", lambda c: c.train.float8 != "off", {"train.float8": "off"},
             "not built yet"),
     # The stages' receive buffers are sized at the first step: a larger micro-batch later aborts gloo.

@@ -24,6 +24,7 @@ EXAMPLES = {
     ("train_fsdp.py", "parallel.tp > 1"): {"parallel.tp": 2},
     ("parallel.ep > 1", "train.activation_checkpointing selective with train.compile true"):
         {**MOE, "parallel.ep": 2, "train.activation_checkpointing": "selective", "train.compile": True},
+    ("optim.name muon", "model.n_experts > 0 with parallel.tp > 1"): {**MOE, "optim.name": "muon", "parallel.tp": 2},
     ("parallel.pp > 1", "train.float8 tensorwise or rowwise"): {"parallel.pp": 2, "train.float8": "rowwise"},
     ("parallel.pp > 1", "[[train.batch_stages]]"): {"parallel.pp": 2, "train.batch_stages": [BatchStage(1, 64)]},
     ("parallel.pp_schedule InterleavedZeroBubble or ZBVZeroBubble or DualPipeV",
