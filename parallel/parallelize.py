@@ -93,6 +93,11 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: ParallelConfig, *, dtype: s
     split_sequences(model, [m for m in (mesh.cp, mesh.tp) if m is not None])
     if mesh.ep is not None:
         apply_expert_parallel(model, mesh.ep)
+    if compile and mesh.tp is not None and getattr(model, "tok_embeddings", None) is not None:
+        # Under TP the embedding's output is an AsyncCollectiveTensor (its reduce-scatter to sequence shards still in
+        # flight), and a compiled first block given one returns no gradient for it: the embedding never trained
+        # (torch 2.13, CPU; its AdamW moment stayed 0). A clone waits for it and hands the block a plain tensor.
+        model.tok_embeddings.register_forward_hook(_plain_output)
     for block in stage_blocks(model):
         if activation_checkpointing == "full":
             activation_checkpoint(block)
@@ -123,6 +128,11 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: ParallelConfig, *, dtype: s
             for i, block in enumerate(blocks):
                 block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch])
                 block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch):i][::-1])
+
+
+def _plain_output(module: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """A forward hook's replacement output: a plain tensor (an AsyncCollectiveTensor waited for), with autograd."""
+    return output.clone()
 
 
 def stage_blocks(model: Transformer) -> list[torch.nn.Module]:

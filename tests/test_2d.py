@@ -89,8 +89,9 @@ LAYOUT_CASES = [
     (4, 1, (), ()),
     (4, 1, HSDP, ()),
     (4, 2, HSDP, ()),
-    # The z-loss vocabulary-parallel (its logsumexp from the shards) against full logits in one process.
-    (2, 2, Z_LOSS, Z_LOSS),
+    # The z-loss vocabulary-parallel (its logsumexp from the shards) against full logits in one process, with the
+    # blocks compiled under TP (the first one is given the embedding's output while its reduce-scatter is in flight).
+    (2, 2, (*Z_LOSS, "--train.compile", "true"), Z_LOSS),
     # mup and completep: their multipliers and per-group LRs are the same constants on every layout (each
     # parametrization at FSDP 2 and cp 2 in accept.py transfer too).
     (2, 1, MUP, MUP),
@@ -99,7 +100,7 @@ LAYOUT_CASES = [
     (4, 1, (*COMPLETEP, *HSDP), COMPLETEP),
 ]
 LAYOUT_IDS = ["fsdp2", "dp1xtp2_accumulating", "dp2xtp2", "chunked_ws1_accumulating", "chunked_fsdp2_accumulating",
-        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2", "zloss_dp1xtp2",
+        "chunked_dp1xtp2", "docmask_fsdp2", "docmask_dp1xtp2", "fsdp4", "hsdp2x2", "hsdp2x1xtp2", "zloss_compiled_dp1xtp2",
         "mup_fsdp2", "mup_dp1xtp2", "completep_dp1xtp2", "completep_hsdp2x2"]
 
 
