@@ -1,10 +1,16 @@
 """Mixture of experts against the dense model of the same active size: tokens to loss, step time, balance, EP.
 
     python benchmarks/moe_bench.py --out benchmarks/results/FILE.md [--shape small] [--experts 4,8,16]
-        [--fractions 0.5,0.7] [--jobs 2] [--workdir DIR]
+        [--arms 8/2/128,64/7/32+1] [--lrs 0.5,1,2] [--fractions 0.5,0.7] [--jobs 2] [--workdir DIR] [--reuse]
 
 A dense model against MoEs of E experts, top-2, each of half the dense ffn_dim (so 2 experts are the
-dense width), every block MoE, the default balancing (sigmoid scores, bias update 0.01). Every
+dense width), every block MoE, the default balancing (sigmoid scores, bias update 0.01). --arms
+names other MoEs as E/k/WIDTH[+SHARED] (fine-grained ones: many narrow experts, a larger k, shared
+experts of the same width; keep (k + SHARED) x WIDTH at the dense ffn_dim for equal active width).
+--lrs sweeps optim.lr (multipliers of the debug config's, in increasing order, each model stopping
+after the first that ends above the one before) on the first corpus's full runs, and every model
+then keeps its own best LR. --reuse reads runs an earlier invocation finished (the same
+command in the same run dir) instead of training them again. Every
 process runs with OMP_NUM_THREADS=1, and each section prints the command it ran:
 
 - tokens to loss (--shape): "small" (dim 64, 2 layers, ffn_dim 256, a 1,024-token vocabulary,
@@ -25,7 +31,7 @@ process runs with OMP_NUM_THREADS=1, and each section prints the command it ran:
   experts on the debug model and corpus, moe_max_load (the busiest expert's tokens over the
   mean per expert, the largest over the layers): the first step from which its trailing 10-step
   mean stays below 1.3, and its mean over the last 10 steps;
-- step time (the debug model): benchmarks/bench.py with the dense model and each MoE as variants in
+- step time (the --shape model): benchmarks/bench.py with the dense model and each MoE as variants in
   one process, their steps in turns (paired ratios), on random tokens;
 - EP (the debug model): this script as a 4-rank torchrun worker (--ep_worker) at parallel.ep 1, 2, 4
   with 8 experts: each rank's bytes of the experts (parameters and AdamW state; gradients as
@@ -46,6 +52,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -70,9 +77,49 @@ SHAPES = {
 }
 
 
-def moe_flags(e: int, ffn_dim: int = 384) -> list[str]:
+class Arm(NamedTuple):
+    """One model of the comparison: e routed experts (0: the dense model), top-k of width each, plus shared
+    always-on experts of the same width (nn/moe_args.py ties their width to expert_ffn_dim). Its active
+    feed-forward width is (k + shared) x width."""
+
+    e: int
+    k: int = 0
+    width: int = 0
+    shared: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> Arm:
+        """'E/k/WIDTH' or 'E/k/WIDTH+SHARED', e.g. '8/2/128' or '64/7/32+1'."""
+        routed, _, shared = spec.partition("+")
+        e, k, width = (int(x) for x in routed.split("/"))
+        return cls(e, k, width, int(shared or 0))
+
+    @property
+    def name(self) -> str:
+        return "dense" if not self.e else f"moe{self.e}k{self.k}w{self.width}" + (f"s{self.shared}" if self.shared else "")
+
+    def label(self, ffn_dim: int) -> str:
+        if not self.e:
+            return f"dense, ffn_dim {ffn_dim}"
+        return f"{self.e} experts, top-{self.k} of {self.width}" + (f" + {self.shared} shared" if self.shared else "")
+
+    def flags(self) -> list[str]:
+        if not self.e:
+            return []
+        return ["--model.n_experts", str(self.e), "--model.experts_per_token", str(self.k), "--model.expert_ffn_dim",
+                str(self.width), *(["--model.n_shared_experts", str(self.shared)] if self.shared else [])]
+
+
+DENSE = Arm(0)
+
+
+def top2(e: int, ffn_dim: int = 384) -> Arm:
     """An MoE of e experts, top-2 of width ffn_dim / 2: the dense model's active feed-forward width."""
-    return ["--model.n_experts", str(e), "--model.experts_per_token", "2", "--model.expert_ffn_dim", str(ffn_dim // 2)]
+    return Arm(e, 2, ffn_dim // 2)
+
+
+def moe_flags(e: int, ffn_dim: int = 384) -> list[str]:
+    return top2(e, ffn_dim).flags()
 
 
 def env() -> dict:
@@ -86,13 +133,21 @@ def show(cmd: list[str]) -> str:
 
 # ---------------------------------------------------------------- tokens to loss
 
-def train(run_dir: str, extra: list[str], data: str | None, log) -> tuple[list[dict], float, str]:
-    """One 1-process training run; (its metrics.jsonl records, wall seconds, the command). log: a file or a path."""
+def train(run_dir: str, extra: list[str], data: str | None, log, reuse: bool = False) -> tuple[list[dict], float, str]:
+    """One 1-process training run; (its metrics.jsonl records, wall seconds, the command). log: a file or a path.
+    reuse: when run_dir holds a finished run of the same command (done.json, written last), read it instead."""
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", os.path.join(ROOT, "train_fsdp.py"),
+           "--config", DEBUG, "--run_dir", run_dir, *extra]
+    done = os.path.join(run_dir, "done.json")
+    if reuse and os.path.exists(done):
+        with open(done) as f:
+            prev = json.load(f)
+        if prev["cmd"] == show(cmd):
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                return [json.loads(line) for line in f if line.strip()], prev["seconds"], prev["cmd"]
     shutil.rmtree(run_dir, ignore_errors=True)
     if data:  # the corpus tokenized once per corpus, for every arm
         shutil.copytree(data, os.path.join(run_dir, "data"))
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=1", os.path.join(ROOT, "train_fsdp.py"),
-           "--config", DEBUG, "--run_dir", run_dir, *extra]
     start = time.perf_counter()
     with (open(log, "w") if isinstance(log, str) else contextlib.nullcontext(log)) as out:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:]], cwd=ROOT, stdout=out,
@@ -100,6 +155,8 @@ def train(run_dir: str, extra: list[str], data: str | None, log) -> tuple[list[d
     seconds = time.perf_counter() - start
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
+    with open(done, "w") as f:
+        json.dump({"cmd": show(cmd), "seconds": seconds}, f)
     return records, seconds, show(cmd)
 
 
@@ -150,101 +207,144 @@ def reach_annealed(points: list[tuple[float, float]], target: float) -> tuple[fl
     return tokens_to_reach(points, target), ""
 
 
-def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[list[str], dict]:
-    """Dense against each MoE on each corpus: the MoE's full-length run (its val curve) and runs at --fractions of
-    the steps, each with the whole schedule (warmup, then the cosine to its own end), so that the MoE's loss at
-    fewer tokens is an annealed run's, as the dense reference's is. Runs --jobs at a time."""
-    shape, ffn, _, _ = SHAPES[args.shape]
-    lines, results = [], {}
-
-    def flags(e: int, steps: int, val: int) -> list[str]:
-        return [*shape, "--train.steps", str(steps), "--train.val_interval", str(val), "--checkpoint.interval",
-                str(steps), *(moe_flags(e, ffn) if e else [])]
-
-    def one(corpus: str, name: str, extra: list[str], data: str | None):
-        run_dir = os.path.join(args.workdir, f"{corpus}_{name}")
-        records, seconds, cmd = train(run_dir, extra, data, run_dir + ".log")
-        print(f"[moe_bench] {corpus} {name}: final val_loss {curves(records)[1][-1][1]:.4f}, {seconds:.0f} s", flush=True)
-        return records, seconds, cmd
-
-    runs = {}  # (corpus, e, fraction) -> (records, seconds, cmd)
-
-    def collect(pool: ThreadPoolExecutor, futures: dict) -> None:
+def run_all(jobs: int, tasks: dict) -> dict:
+    """{key: (fn, *args)} run jobs at a time -> {key: fn(*args)}; a failed run (or Ctrl-C) stops the queue instead
+    of training the rest first."""
+    with ThreadPoolExecutor(jobs) as pool:
+        futures = {key: pool.submit(*task) for key, task in tasks.items()}
         try:
-            for key, fut in futures.items():
-                runs[key] = fut.result()
-        except BaseException:  # a failed run (or Ctrl-C) stops the queue instead of training the rest first
+            return {key: fut.result() for key, fut in futures.items()}
+        except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
 
-    with ThreadPoolExecutor(args.jobs) as pool:
-        # each corpus's dense run tokenizes it; every other run of that corpus copies its data
-        collect(pool, {(c, 0, 1.0): pool.submit(one, c, "dense", [*flags(0, args.steps, args.val_interval), *f], None)
-                       for c, (_, f) in corpora.items()})
-        futures = {}
-        for corpus, (_, cflags) in corpora.items():
-            data = os.path.join(args.workdir, f"{corpus}_dense", "data")
-            for e in args.experts:
-                for frac in [1.0, *args.fractions]:
-                    steps = round(args.steps * frac)
-                    name = f"moe{e}" if frac == 1.0 else f"moe{e}_x{frac:g}"
-                    val = args.val_interval if frac == 1.0 else steps
-                    futures[(corpus, e, frac)] = pool.submit(one, corpus, name, [*flags(e, steps, val), *cflags], data)
-        collect(pool, futures)
+
+def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[list[str], dict]:
+    """Dense against each MoE arm on each corpus: each model's full-length run (its val curve) and the MoEs' runs at
+    --fractions of the steps, each with the whole schedule (warmup, then the cosine to its own end), so that the
+    MoE's loss at fewer tokens is an annealed run's, as the dense reference is. With several --lrs, every model
+    trains the full run at each LR on the first corpus, and keeps the one of lowest final val_loss for its fraction
+    runs and for the other corpora (going up the LRs, it stops after the first LR that ends above the one before).
+    Runs --jobs at a time."""
+    shape, ffn, _, _ = SHAPES[args.shape]
+    arms = [DENSE, *args.arms]
+    base_lr = debug_lr()
+    lines, results = [], {}
+
+    def one(corpus: str, arm: Arm, lr: float, frac: float):
+        steps = round(args.steps * frac)
+        val = args.val_interval if frac == 1.0 else steps
+        name = arm.name + (f"_lr{lr:g}" if len(args.lrs) > 1 else "") + (f"_x{frac:g}" if frac != 1.0 else "")
+        run_dir = os.path.join(args.workdir, f"{corpus}_{name}")
+        extra = [*shape, "--train.steps", str(steps), "--train.val_interval", str(val), "--checkpoint.interval",
+                 str(steps), *(["--optim.lr", f"{base_lr * lr:g}"] if lr != 1.0 else []), *arm.flags(),
+                 *corpora[corpus][1]]
+        # each corpus's first dense run tokenizes it; every other run of that corpus copies its data
+        data = None if (arm, frac) == (DENSE, 1.0) and lr == tokenizer_lr[corpus] else \
+            os.path.join(args.workdir, f"{corpus}_dense" + (f"_lr{tokenizer_lr[corpus]:g}" if len(args.lrs) > 1 else ""), "data")
+        records, seconds, cmd = train(run_dir, extra, data, run_dir + ".log", args.reuse)
+        print(f"[moe_bench] {corpus} {name}: final val_loss {curves(records)[1][-1][1]:.4f}, {seconds:.0f} s", flush=True)
+        return records, seconds, cmd
+
+    sweep, *others = corpora
+    tokenizer_lr = {sweep: args.lrs[0]}
+    runs = {}  # (corpus, arm, lr multiplier, fraction) -> (records, seconds, cmd)
+    runs |= run_all(args.jobs, {(sweep, DENSE, args.lrs[0], 1.0): (one, sweep, DENSE, args.lrs[0], 1.0)})
+
+    def sweep_lrs(arm: Arm) -> dict:
+        """arm's full runs up the LRs in order, stopping after the first that ends above the one before."""
+        out, last = {}, None
+        for lr in args.lrs:
+            out[lr] = runs.get((sweep, arm, lr, 1.0)) or one(sweep, arm, lr, 1.0)
+            loss = curves(out[lr][0])[1][-1][1]
+            if last is not None and loss > last:
+                break
+            last = loss
+        return out
+
+    swept = run_all(args.jobs, {arm: (sweep_lrs, arm) for arm in arms})
+    runs |= {(sweep, arm, lr, 1.0): r for arm, by_lr in swept.items() for lr, r in by_lr.items()}
+    best = {arm: min(by_lr, key=lambda lr: curves(by_lr[lr][0])[1][-1][1]) for arm, by_lr in swept.items()}
+    for corpus in others:  # the other corpora's dense runs tokenize them, at dense's best LR
+        tokenizer_lr[corpus] = best[DENSE]
+        runs |= run_all(args.jobs, {(corpus, DENSE, best[DENSE], 1.0): (one, corpus, DENSE, best[DENSE], 1.0)})
+    runs |= run_all(args.jobs, {(c, arm, best[arm], f): (one, c, arm, best[arm], f) for c in corpora for arm in arms
+                                for f in [1.0, *args.fractions] if arm.e and (c, arm, best[arm], f) not in runs})
+
+    if len(args.lrs) > 1:
+        lines += [f"### The LR sweep: {corpora[sweep][0]}", "",
+                  f"Each model's full run at optim.lr = the debug config's {base_lr:g} times each of "
+                  f"{', '.join(f'{lr:g}' for lr in args.lrs)} (`--optim.lr`), up the LRs until one ends above the one before (-: not run); final "
+                  "val_loss, the lowest in bold (that LR is the model's for the rest):", "",
+                  "| model | " + " | ".join(f"lr {base_lr * lr:g} (x{lr:g})" for lr in args.lrs) + " |",
+                  "|---|" + "---|" * len(args.lrs)]
+        for arm in arms:
+            cells = [f"{curves(runs[(sweep, arm, lr, 1.0)][0])[1][-1][1]:.4f}" if lr in swept[arm] else "-"
+                     for lr in args.lrs]
+            cells = [f"**{c}**" if lr == best[arm] else c for c, lr in zip(cells, args.lrs)]
+            lines.append(f"| {arm.label(ffn)} | " + " | ".join(cells) + " |")
+        lines.append("")
 
     for corpus, (title, _) in corpora.items():
         out = {}
-        for e in [0, *args.experts]:
-            records, seconds, cmd = runs[(corpus, e, 1.0)]
+        for arm in arms:
+            records, seconds, cmd = runs[(corpus, arm, best[arm], 1.0)]
             tr, val = curves(records)
-            out[e] = {"train": tr, "val": val, "seconds": seconds, "cmd": cmd,
-                      "fractions": {f: curves(runs[(corpus, e, f)][0])[1][-1] for f in args.fractions} if e else {}}
-        dense_tokens, target = out[0]["val"][-1]
+            out[arm] = {"train": tr, "val": val, "seconds": seconds, "cmd": cmd, "lr": base_lr * best[arm],
+                        "fractions": {f: curves(runs[(corpus, arm, best[arm], f)][0])[1][-1]
+                                      for f in args.fractions} if arm.e else {}}
+        dense_tokens, target = out[DENSE]["val"][-1]
         fr = ", ".join(f"{f:g}" for f in args.fractions)
-        lines += [f"### {title}", "", "```", out[0]["cmd"], "# each MoE: the same command plus",
-                  " ".join(moe_flags(0, ffn)).replace(" 0 ", " E ", 1),
+        lines += [f"### {title}", "", "```", out[DENSE]["cmd"], "# each MoE: the same command (with --optim.lr its "
+                  "own) plus", *(" ".join(arm.flags()) for arm in args.arms),
                   f"# and the same at {fr}x the steps (--train.steps, with --train.val_interval and "
                   "--checkpoint.interval at that step)", "```", "",
-                  f"| model | total params | final val_loss | annealed runs at {fr}x the tokens: final val_loss "
+                  f"| model | total params | lr | final val_loss | annealed runs at {fr}x the tokens: final val_loss "
                   "| tokens to the dense final val_loss, annealed runs (goal <= 0.7x) | the same along the full run's "
                   "curve | moe_max_load, last 10 steps (mean / max) | load < 1.3 from step | wall s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for e, r in out.items():
-            bal = balance(r["train"]) if e else None
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for arm, r in out.items():
+            bal = balance(r["train"]) if arm.e else None
             curve = tokens_to_reach(r["val"], target)
-            annealed, bound = reach_annealed([*r["fractions"].values(), r["val"][-1]], target) if e else (None, "")
+            annealed, bound = reach_annealed([*r["fractions"].values(), r["val"][-1]], target) if arm.e else (None, "")
             r.update(reach=curve, ratio=curve / dense_tokens if curve is not None else None,
                      annealed_ratio=annealed / dense_tokens if annealed is not None else None, bound=bound, balance=bal)
 
             def ratio(x, b=""):
                 return f"{b}{x:.2f}x" if x is not None else "not reached"
             lines.append(
-                f"| {f'dense, ffn_dim {ffn}' if not e else f'{e} experts, top-2 of {ffn // 2}'} | {params(e, args.shape)} "
+                f"| {arm.label(ffn)} | {params(arm, args.shape)} | {r['lr']:g} "
                 f"| {r['val'][-1][1]:.4f} | {' / '.join(f'{v[1]:.4f}' for v in r['fractions'].values()) or '-'} "
-                f"| {'1 (the reference)' if not e else ratio(r['annealed_ratio'], bound)} "
-                f"| {'-' if not e else ratio(r['ratio'])} "
-                f"| {'-' if not e else f'{bal[1]:.2f} / {bal[2]:.2f}'} | {'-' if not e else (bal[0] or 'never')} "
+                f"| {'1 (the reference)' if not arm.e else ratio(r['annealed_ratio'], bound)} "
+                f"| {'-' if not arm.e else ratio(r['ratio'])} "
+                f"| {'-' if not arm.e else f'{bal[1]:.2f} / {bal[2]:.2f}'} | {'-' if not arm.e else (bal[0] or 'never')} "
                 f"| {r['seconds']:.0f} |")
-        lines += ["", "val_loss at each validation of the full runs (tokens: dense, "
-                  + ", ".join(f"E={e}" for e in args.experts) + "):", "",
-                  "| tokens | " + " | ".join("dense" if not e else f"E={e}" for e in out) + " |",
+        lines += ["", "val_loss at each validation of the full runs, each model at its LR:", "",
+                  "| tokens | " + " | ".join("dense" if not arm.e else f"{arm.e}/{arm.k}/{arm.width}"
+                                             + (f"+{arm.shared}" if arm.shared else "") for arm in out) + " |",
                   "|---|" + "---|" * len(out)]
-        for i, (tokens, _) in enumerate(out[0]["val"]):
+        for i, (tokens, _) in enumerate(out[DENSE]["val"]):
             lines.append(f"| {tokens:,.0f} | " + " | ".join(f"{r['val'][i][1]:.4f}" if i < len(r["val"]) else "-"
                                                             for r in out.values()) + " |")
         lines.append("")
-        results[corpus] = {e: {k: v for k, v in r.items() if k != "train"} for e, r in out.items()}
+        results[corpus] = {arm.name: {k: v for k, v in r.items() if k != "train"} for arm, r in out.items()}
     return lines, results
 
 
-def params(e: int, shape: str = "debug") -> str:
-    """Total and active parameters of the shape's model with e experts (0: dense), as model.py counts them."""
+def debug_lr() -> float:
+    """The debug config's optim.lr: what --lrs multiplies."""
+    import config as config_lib
+    return config_lib.parse_config(["--config", DEBUG]).optim.lr
+
+
+def params(arm: Arm, shape: str = "debug") -> str:
+    """Total and active parameters of the shape's model with arm's feed-forward, as model.py counts them."""
     import config as config_lib
     import model as model_lib
-    flags, ffn, _, _ = SHAPES[shape]
-    cfg = config_lib.parse_config(["--config", DEBUG, *flags, *(moe_flags(e, ffn) if e else [])])
+    flags, _, _, _ = SHAPES[shape]
+    cfg = config_lib.parse_config(["--config", DEBUG, *flags, *arm.flags()])
     total, active = model_lib.num_params(cfg.model), model_lib.num_params(cfg.model, active=True)
-    return f"{total / 1e6:.2f}M" + (f" ({active / 1e6:.2f}M active)" if e else "")
+    return f"{total / 1e6:.2f}M" + (f" ({active / 1e6:.2f}M active)" if arm.e else "")
 
 
 def balance_section(args, log) -> tuple[list[str], dict]:
@@ -274,8 +374,9 @@ def balance_section(args, log) -> tuple[list[str], dict]:
 
 def step_time_section(args, log) -> tuple[list[str], dict]:
     js = os.path.join(args.workdir, "step_time.json")
-    cmd = [os.path.join(ROOT, "benchmarks", "bench.py"), "--config", DEBUG, "--threads", "1", "--warmup", "2",
-           "--steps", str(args.time_steps), *[f for e in args.experts for f in ("--variant", f"moe{e}=" + " ".join(moe_flags(e)))],
+    shape, ffn, _, _ = SHAPES[args.shape]
+    cmd = [os.path.join(ROOT, "benchmarks", "bench.py"), "--config", DEBUG, *shape, "--threads", "1", "--warmup", "2",
+           "--steps", str(args.time_steps), *[f for arm in args.arms for f in ("--variant", f"{arm.name}=" + " ".join(arm.flags()))],
            "--json", js]
     subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env(), check=True)
     with open(js) as f:
@@ -290,7 +391,8 @@ def step_time_section(args, log) -> tuple[list[str], dict]:
         ratio = statistics.median(a / b for a, b in zip(r["step_s_all"], dense))
         s = r["step_s"]
         out[name] = {"ratio": ratio, "step_s": s["median"], "tokens_per_sec": r["tokens_per_sec"]["median"]}
-        lines.append(f"| {'dense' if name == 'ours' else name.replace('moe', '') + ' experts'} | "
+        label = {arm.name: arm.label(ffn) for arm in args.arms}.get(name, f"dense, ffn_dim {ffn}")
+        lines.append(f"| {label} | "
                      f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f}) | {r['tokens_per_sec']['median']:.0f} | "
                      f"{ratio:.2f}x | {r['cpu_busy']['median']:.2f} |")
     return lines + [""], out
@@ -387,7 +489,14 @@ def main(argv=None) -> None:
                    "annealed at its own end")
     p.add_argument("--jobs", type=int, default=1, help="tokens-to-loss runs at a time (1 thread each)")
     p.add_argument("--corpora", default="stdlib,prose", help="tokens-to-loss corpora: stdlib, prose")
-    p.add_argument("--experts", default="4,8,16", help="expert counts, comma-separated")
+    p.add_argument("--experts", default="4,8,16", help="expert counts, comma-separated: each an MoE top-2 of half "
+                   "the dense ffn_dim (the dense model's active width)")
+    p.add_argument("--arms", default="", help="the MoEs instead of --experts, comma-separated E/k/WIDTH[+SHARED]: E "
+                   "experts, top-k of WIDTH, plus SHARED always-on experts of WIDTH; e.g. 8/2/128,64/7/32+1")
+    p.add_argument("--lrs", default="1", help="multipliers of the debug config's optim.lr, comma-separated: with "
+                   "several, each model trains at each on the first corpus and keeps its best (e.g. 0.5,1,2)")
+    p.add_argument("--reuse", action="store_true", help="read a run whose run dir holds a finished run of the "
+                   "same command (an earlier invocation's) instead of training it again")
     p.add_argument("--prose", default=PROSE, help="the second corpus: local prose files (data.dataset)")
     p.add_argument("--time_steps", type=int, default=10, help="timed steps per model in the step-time section")
     p.add_argument("--ep_steps", type=int, default=3, help="timed steps per ep in the EP section")
@@ -395,11 +504,13 @@ def main(argv=None) -> None:
     p.add_argument("--sections", default="tokens,balance,time,ep", help="which sections to run, comma-separated")
     p.add_argument("--workdir", default="/tmp/moe_bench")
     args = p.parse_args(argv)
-    args.experts = [int(e) for e in args.experts.split(",")]
+    _, ffn, steps, val = SHAPES[args.shape]
+    args.arms = [Arm.parse(a) for a in args.arms.split(",")] if args.arms else \
+        [top2(int(e), ffn) for e in args.experts.split(",")]
+    args.lrs = [float(x) for x in args.lrs.split(",")]
     args.fractions = sorted({float(f) for f in args.fractions.split(",") if f})
     if not all(0 < f < 1 for f in args.fractions):
         p.error(f"--fractions {','.join(f'{f:g}' for f in args.fractions)}: each must be in (0, 1); the full run is 1")
-    _, _, steps, val = SHAPES[args.shape]
     args.steps, args.val_interval = args.steps or steps, args.val_interval or val
     sections = args.sections.split(",")
     os.makedirs(args.workdir, exist_ok=True)

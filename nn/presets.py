@@ -30,4 +30,9 @@ PRESETS: dict[str, dict] = {
     "moe_30b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151_936, ffn_dim=6144,
                     max_seq_len=4096, rope_theta=1_000_000.0, n_experts=128, experts_per_token=8,
                     expert_ffn_dim=768, moe_score="softmax"),
+    # The small CPU shape of benchmarks/moe_bench.py (dim 64, 2 layers, dense ffn_dim 256) as a fine-grained MoE at the
+    # dense model's active width ((7 + 1) x 32 = 256): 64 experts top-7 of 32 and 1 shared, the arm that reached the
+    # dense loss in the fewest tokens there (docs/moe.md#fine-grained-experts; train it at optim.lr 6e-3).
+    "moe_small": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=1024, ffn_dim=256, max_seq_len=512,
+                      n_experts=64, experts_per_token=7, expert_ffn_dim=32, n_shared_experts=1),
 }
