@@ -519,14 +519,15 @@ MOE_LAYOUTS = {
     "hsdp2-ep2": (4, 1, [], [*EP2, "--parallel.dp_replicate", "2"]),
     "ep2-tp2": (4, 2, [], EP2),
     "ep2-cp2": (4, 1, [], [*EP2, "--parallel.cp", "2"]),
-    "cp2-tp2": (4, 2, ["--model.n_kv_heads", "4"], ["--model.n_kv_heads", "4", "--parallel.cp", "2"]),
 }
 """id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2 plain, with recomputed activations,
 with Muon; expert parallelism over 2 ranks, with each activation checkpointing (none, full, selective: the experts'
 own fully_shard group runs its hooks inside the recomputed block); tensor parallelism (train_2d.py's plan); context
 parallelism (each rank routes its own share of the sequence, parallel/moe_sequence.py); and experts both split over
 EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP with EP inside a replica; EP with TP and with CP
-(each EP rank sends its own share of the sequence); CP with TP (the balance loss sums a sequence's choices over both)."""
+(each EP rank sends its own share of the sequence). CP with TP (the balance loss summed over both groups) is left to
+a manual run, to keep the suite in its time: 4 ranks, --parallel.cp 2 --parallel.tp 2 --model.n_kv_heads 4, equal to
+one process to 1.2e-7 (issue 54's note)."""
 
 
 @pytest.mark.slow
