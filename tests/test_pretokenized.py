@@ -20,6 +20,19 @@ from config import Config, check_pretokenized, check_tokenizer
 from core.errors import UserError
 from data import DataConfig, DataError, SourceConfig
 from data_pipeline import megatron_index, pretokenized, tokenizer
+from launch import (
+    DEBUG,
+    REFERENCE_BATCH,
+    kill_tree,
+    losses,
+    main_in_process,
+    metrics,
+    prepared_data_dir,
+    spawn,
+    torchrun,
+    torchrun_command,
+    wait_for_step,
+)
 from model import ModelArgs
 from pretok_writers import write_datatrove, write_megatron, write_numpy
 from test_data import _prepare_on_ranks
@@ -363,7 +376,6 @@ def test_a_tokens_dataset_is_materialised_once_with_an_eos_after_each_row(raw_co
 
 def test_the_command_refuses_bad_token_files_in_one_line_and_writes_nothing(raw_corpus, tmp_path, monkeypatch,
                                                                             capsys):
-    from launch import DEBUG, main_in_process
     _, out, _ = raw_corpus
     tok = os.path.join(out, "tokenizer.json")
     docs = _docs(20, 8)
@@ -390,7 +402,6 @@ def _run_args(rd, *extra):
 @pytest.mark.slow
 def test_raw_text_and_the_same_tokens_as_megatron_and_datatrove_train_alike(tmp_path):
     """2 ranks, 3 steps: the raw-text run's losses, bitwise, from its stream written as Megatron and datatrove files."""
-    from launch import losses, prepared_data_dir, torchrun
     raw = tmp_path / "raw"
     prepared_data_dir(raw)
     torchrun(2, "train_fsdp.py", *_run_args(raw))
@@ -414,7 +425,6 @@ def test_a_llama3_shaped_tokenizer_trains_generates_and_exports(tmp_path, capsys
     transformers = pytest.importorskip("transformers")
     import generate
     import hf
-    from launch import metrics, torchrun
     path = llama3_like_tokenizer(str(tmp_path / "tok"))
     rd = tmp_path / "run"
     torchrun(1, "train_fsdp.py", *_run_args(rd, "--data.tokenizer", path, "--data.bos_token", "<|begin_of_text|>",
@@ -472,18 +482,6 @@ def test_a_mixture_with_a_megatron_source_sigkilled_resumes_at_another_world_siz
     """Raw text and Megatron sources with a stage from step 3: a run on 2 ranks SIGKILLed (every process, as a node
     failure) once step 3 is logged, resumed from its checkpoint of step 2 on 1 rank across the stage change to step
     4, gives the uninterrupted 2-rank run's losses (up to the reduction order), one record per step."""
-    from launch import (
-        DEBUG,
-        REFERENCE_BATCH,
-        kill_tree,
-        losses,
-        metrics,
-        prepared_data_dir,
-        spawn,
-        torchrun,
-        torchrun_command,
-        wait_for_step,
-    )
     cache = tmp_path / "cache"
     prepared_data_dir(cache)
     meta = data.read_meta(str(cache / "data"))["sources"]["default"]
