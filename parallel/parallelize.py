@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from model import ModelArgs, Transformer
-from nn.moe import MoE
+from nn.moe import MoE, moe_layers
 from parallel import float8
 from parallel.context_parallel import apply_ulysses
 from parallel.expert_parallel import apply_expert_parallel, shard_experts
@@ -86,7 +86,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: ParallelConfig, *, dtype: s
         # would have to replace train_2d.py's plan.
         kept = float8.convert(model, float8_recipe)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            moe = sum(isinstance(m, MoE) for m in model.modules())
+            moe = len(moe_layers(model))
             print(float8.describe(float8_recipe, kept, moe), flush=True)
     if mesh.cp is not None:
         apply_ulysses(model, mesh.cp)
