@@ -127,6 +127,16 @@ def convertible(module: torch.nn.Module, name: str, excluded: set[str] = frozens
     return name not in excluded and module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def float8_params(model: torch.nn.Module) -> int:
+    """Weights (elements) of the Linear layers convert() swaps for Float8Linear: every Linear that is convertible and
+    not held out. A token's forward and backward through them is 6 x this many FLOPs at the float8 rate; the rest of
+    model.flops_per_token (attention's scores, the readout, the routers, the routed experts' grouped matmuls) runs
+    in the training dtype. Reads shapes only: model may be on the meta device, and torchao need not be installed."""
+    keep = functools.partial(convertible, excluded=set(held_out(model)))
+    return sum(m.weight.numel() for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and keep(m, name))
+
+
 def convert(model: torch.nn.Module, recipe: str) -> list[str]:
     """Swap the model's eligible nn.Linear layers for torchao Float8Linear in place; returns the Linear layers kept.
 

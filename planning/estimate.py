@@ -1,7 +1,9 @@
 """A step's predicted time from a dry run's figures: the model, stated, so a prediction can be checked and argued.
 
   compute      the rank's FLOPs (model FLOPs, plus the forward again under full activation
-               checkpointing, a third of it under selective) at gpu.efficiency x the peak, plus
+               checkpointing, a third of it under selective) at gpu.efficiency x the peak (under
+               train.float8 the Linear layers torchao converts at the fp8 peak, the rest, from
+               attention's scores to an MoE's routed experts, at the bf16 peak), plus
                the host's fixed time per operator dispatched, more for a DTensor's (eager
                PyTorch on a CPU; 0 on a GPU, where the launches run ahead of the device)
   collectives  each one's bytes over the link its group crosses (intra_node when the group's
@@ -24,8 +26,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from config import Config
-from model import flops_per_token
+from model import Transformer, flops_per_token
+from parallel.float8 import float8_params
 from parallel.layout import Layout
 from parallel.pipeline_stages import ZERO_BUBBLE, stages_per_rank
 from planning.dryrun import RankPlan
@@ -70,13 +75,24 @@ def flops_per_step(cfg: Config) -> float:
     return flops_per_token(cfg.model, cfg.data.seq_len) * cfg.train.global_batch_size * cfg.data.seq_len
 
 
+def float8_share(cfg: Config) -> float:
+    """The fraction of model.flops_per_token that runs in float8 under cfg.train.float8 (0 when off): the Linear
+    layers parallel.float8.convert swaps, counted on a meta-device model (shapes only)."""
+    if cfg.train.float8 == "off":
+        return 0.0
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    return 6.0 * float8_params(model) / flops_per_token(cfg.model, cfg.data.seq_len)
+
+
 def estimate(plan: RankPlan, cfg: Config, world_size: int, gpu: GPU, gpus_per_node: int) -> StepEstimate:
     """The step time of plan's rank on gpu, seconds (see the module's docstring for the model)."""
     layout = Layout.of(cfg.parallel, world_size)
     t = cfg.train
-    peak = gpu.fp8_flops if t.float8 != "off" and gpu.fp8_flops else gpu.bf16_flops
+    fp8 = float8_share(cfg) if gpu.fp8_flops else 0.0
     rank_flops = flops_per_step(cfg) / world_size * (1 + RECOMPUTE[t.activation_checkpointing])
-    compute = rank_flops / (peak * gpu.efficiency) + plan.ops * gpu.op_overhead_s + \
+    per_flop = (1 - fp8) / gpu.bf16_flops + (fp8 / gpu.fp8_flops if fp8 else 0.0)
+    compute = rank_flops * per_flop / gpu.efficiency + plan.ops * gpu.op_overhead_s + \
         plan.dtensor_ops * gpu.dtensor_op_overhead_s
     if gpu.cores and gpus_per_node > gpu.cores:  # CPU ranks time-sharing the cores
         compute *= gpus_per_node / gpu.cores

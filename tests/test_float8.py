@@ -108,6 +108,13 @@ def _linears(model):
     return {name: type(m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+def _planned_float8_weights_are_the_converted_ones(args, model):
+    """plan.py prices float8.float8_params(a meta model) at the fp8 peak: it must count what torchao swapped."""
+    with torch.device("meta"):
+        planned = float8.float8_params(Transformer(args))
+    assert planned == sum(m.weight.numel() for m in model.modules() if isinstance(m, Float8Linear)) > 0
+
+
 @pytest.mark.parametrize("recipe", float8.RECIPES)
 def test_every_block_linear_is_converted_and_the_output_is_not(single_rank_group, recipe, capsys):
     model = _build(ModelArgs(**PRESETS["debug"]), recipe)
@@ -125,6 +132,8 @@ def test_layers_whose_dims_are_not_multiples_of_16_stay_and_are_listed(single_ra
     kinds = _linears(model)
     kept = {"output", "layers.0.feed_forward.w1", "layers.0.feed_forward.w2", "layers.0.feed_forward.w3"}
     assert {n for n, k in kinds.items() if k is torch.nn.Linear} == kept
+    _planned_float8_weights_are_the_converted_ones(ModelArgs(**{**PRESETS["debug"], "n_layers": 1, "ffn_dim": 200}),
+                                                   model)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[train] float8")]
     assert line == ["[train] float8 tensorwise (float8 all-gather); kept in high precision: "
                     "layers.0.feed_forward.w1, layers.0.feed_forward.w2, layers.0.feed_forward.w3, output"]
@@ -143,6 +152,7 @@ def test_moe_routers_and_experts_stay_out_and_the_rest_is_converted(single_rank_
            [f"layers.0.feed_forward.{w}" for w in ("w1", "w2", "w3")] + \
            [f"layers.1.feed_forward.shared_experts.{w}" for w in ("w1", "w2", "w3")]
     assert sorted(kinds) == sorted(want) and all(k is Float8Linear for k in kinds.values()), kinds
+    _planned_float8_weights_are_the_converted_ones(args, model)
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[train] float8")]
     assert line == ["[train] float8 tensorwise (float8 all-gather); kept in high precision: output; "
                     "in the training dtype: the routers and routed experts of 1 MoE layer"]
