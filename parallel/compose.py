@@ -7,6 +7,7 @@ cfg is a config.Config (duck-typed: this module sits below config.py).
 from __future__ import annotations
 
 from core.errors import SetupError
+from parallel.layout import ep_sizes
 from parallel.pipeline import check_pp
 
 
@@ -16,7 +17,8 @@ def check_moe(cfg, world_size: int = 0) -> None:
     composition.check_composition (what it does not run with: docs/cluster.md), so that the parallel.ep it offers is
     not refused next.
 
-    world_size (0: unknown): the parallel.ep values offered must also divide its data-parallel shard ranks.
+    world_size (0: unknown): the parallel.ep values offered must also fit its data-parallel shard ranks
+    (layout.ep_sizes: divide them, or be a multiple of parallel.cp by one that does).
     """
     m, p = cfg.model, cfg.parallel
     if p.ep > 1 and not m.n_experts:
@@ -36,7 +38,8 @@ def check_moe(cfg, world_size: int = 0) -> None:
     if m.n_experts % p.ep:
         inner = p.dp_replicate * p.cp * p.tp * p.pp
         shard = p.data_parallel(world_size) // p.dp_replicate if world_size and world_size % inner == 0 else 0
-        fits = [d for d in range(1, m.n_experts + 1) if m.n_experts % d == 0 and (not shard or shard % d == 0)]
+        fits = [d for d in range(1, m.n_experts + 1)
+                if m.n_experts % d == 0 and (not shard or d in ep_sizes(shard, p.cp))]
         raise SetupError(f"parallel.ep ({p.ep}) does not divide model.n_experts ({m.n_experts}): each EP rank holds "
                          f"whole experts, as many as the others; use parallel.ep in {fits}")
 

@@ -1,7 +1,7 @@
 """Expert parallelism (``parallel.ep``): each rank holds n_experts / ep routed experts, and tokens travel to them.
 
 The ep ranks of an EP group are data-parallel ranks (EP borrows the FSDP shard dimension, as
-torchtitan does; docs/cluster.md): each routes its own tokens, then one all-to-all with uneven
+torchtitan does), with the CP ranks where those are too few (parallel/layout.py; docs/cluster.md): each routes its own tokens, then one all-to-all with uneven
 splits sends every (token, expert) row to the rank holding that expert, the experts run on what
 arrived, and a second all-to-all brings the results back in the sender's order
 (``all_to_all_single``, the collective Ulysses uses, so gloo runs it too). The router, the shared

@@ -8,7 +8,7 @@ dimension names.
 
 The dimensions, outermost first (consecutive ranks share the innermost): "pp", "dp_replicate",
 the data-parallel shard ranks ("dp", or "dp_shard" under HSDP, split into "dp_mod_ep" x "ep"
-under expert parallelism), "cp", "tp". With torchrun's rank order (node by node) a TP group,
+under expert parallelism, or "dp_mod_ep" x "dp_in_ep" when EP takes in the CP ranks), "cp", "tp". With torchrun's rank order (node by node) a TP group,
 then a CP group, then a shard group stay inside a node when their sizes divide the node's ranks,
 and the pipeline's point-to-point traffic is what crosses nodes. The names are torchtitan's.
 
@@ -18,9 +18,13 @@ The roles (``ROLES``):
                averages gradients over it
   fsdp         what fully_shard shards over (data x cp; 2-D (replicate, shard x cp) under HSDP)
   experts_fsdp what fully_shard shards the routed experts over under EP: the ranks that hold the
-               same experts and their own tokens (replicate x dp_mod_ep x cp; TP ranks hold the same
-               shards and sum their gradients after the backward, parallel/moe_sequence.py)
-  ep, cp, tp   the expert-, context- and tensor-parallel groups
+               same experts and their own tokens (replicate x dp_mod_ep, x cp unless EP takes the CP
+               ranks; TP ranks hold the same shards and sum their gradients after the backward,
+               parallel/moe_sequence.py)
+  ep           the expert-parallel group: "ep" data-parallel shard ranks, or, when parallel.ep does
+               not divide them and is a multiple of parallel.cp > 1, ep / cp of them ("dp_in_ep")
+               times the CP ranks (torchtitan's grouping): every rank of it holds its own tokens
+  cp, tp       the context- and tensor-parallel groups
   pp           the pipeline: one rank per stage
   same_params  the ranks that hold the same parameters: everything but the pipeline
 """
@@ -53,7 +57,7 @@ class ParallelConfig:
     """Context-parallel degree: each sequence is split into cp contiguous slices, one per rank of a CP group, with Ulysses attention (all-to-all of heads); FSDP shards over the data-parallel and CP ranks together. n_heads, n_kv_heads and seq_len must divide by cp (x tp). Both scripts."""
 
     ep: int = 1
-    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (pp x dp_replicate x cp x tp)), each exchanging its own tokens (its share of the sequence under tp and cp); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts, with tp and cp (docs/moe.md)."""
+    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (pp x dp_replicate x cp x tp)), or, where those are too few, ep / cp of them times the CP ranks (ep a multiple of cp), each exchanging its own tokens (its share of the sequence under tp and cp); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts, with tp and cp (docs/moe.md)."""
 
     pp: int = 1
     """Pipeline-parallel stages (parallel/pipeline.py): the blocks split into pp contiguous stages, one per rank of a pipeline group, the outermost mesh dimension (so its point-to-point traffic is what crosses nodes). Both scripts; world = pp x data-parallel x cp x tp."""
@@ -89,13 +93,21 @@ class ParallelConfig:
             raise ConfigError(f"parallel.cp must be >= 1, got {self.cp}")
 
 
+def ep_sizes(shard: int, cp: int = 1) -> list[int]:
+    """The parallel.ep values that fit shard data-parallel shard ranks (Layout.dp_shard) at parallel.cp cp: the
+    divisors of shard, and the multiples of cp by them (EP taking in the CP ranks), ascending."""
+    divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+    return sorted(set(divisors) | ({d * cp for d in divisors} if cp > 1 else set()))
+
+
 ROLES = ("data", "loss", "fsdp", "experts_fsdp", "ep", "cp", "tp", "pp", "same_params")
 """The groups a Layout knows by role (the module docstring says what each is)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How world_size ranks split into pp x dp_replicate x dp_shard x cp x tp (dp_shard = dp_mod_ep x ep)."""
+    """How world_size ranks split into pp x dp_replicate x dp_shard x cp x tp (dp_shard = dp_mod_ep x ep, or
+    dp_mod_ep x dp_in_ep when EP takes in the CP ranks)."""
 
     world_size: int
     pp: int = 1
@@ -128,10 +140,24 @@ class Layout:
         """Data-parallel ranks of one HSDP replica (all of them without HSDP); EP splits these."""
         return self.data // self.dp_replicate
 
+    @property
+    def ep_takes_cp(self) -> bool:
+        """Whether each EP group takes in the CP ranks: when parallel.ep does not divide the data-parallel shard
+        ranks and is a multiple of parallel.cp > 1 (torchtitan's EP always spans the CP ranks so; here the
+        data-parallel ranks come first, so that a layout that ran before keeps its groups, and a run its bitwise
+        resume). Else its ranks are data-parallel shard ranks alone."""
+        return self.ep > 1 and self.cp > 1 and self.dp_shard % self.ep != 0 and self.ep % self.cp == 0
+
+    @property
+    def ep_shard(self) -> int:
+        """The data-parallel shard ranks in an EP group: ep, or ep / cp when it takes in the CP ranks."""
+        return self.ep // self.cp if self.ep_takes_cp else self.ep
+
     def dims(self) -> tuple[tuple[str, int], ...]:
         """((mesh dimension name, size), ...) outermost first; a dimension of size 1 is left out, but for the
         data-parallel shard ranks, which are always there."""
-        shard = ((("dp_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)) if self.ep > 1 else
+        inner = "dp_in_ep" if self.ep_takes_cp else "ep"
+        shard = ((("dp_mod_ep", self.dp_shard // self.ep_shard), (inner, self.ep_shard)) if self.ep > 1 else
                  ((("dp_shard" if self.dp_replicate > 1 else "dp"), self.dp_shard),))
         out = ((("pp", self.pp),) if self.pp > 1 else ()) + (
             (("dp_replicate", self.dp_replicate),) if self.dp_replicate > 1 else ()) + shard
@@ -143,12 +169,13 @@ class Layout:
         if role not in ROLES:
             raise KeyError(f"{role!r} is not a role; the roles are {', '.join(ROLES)}")
         names = [n for n, _ in self.dims()]
-        shard = [n for n in names if n in ("dp", "dp_shard", "dp_mod_ep", "ep")]
+        shard = [n for n in names if n in ("dp", "dp_shard", "dp_mod_ep", "ep", "dp_in_ep")]
         rep = ["dp_replicate"] if self.dp_replicate > 1 else []
         cp = ["cp"] if self.cp > 1 else []
+        ep = (["dp_in_ep"] + cp if self.ep_takes_cp else ["ep"]) if self.ep > 1 else []
         spans = {"data": rep + shard, "loss": rep + shard + cp, "fsdp": rep + shard + cp,
-                 "experts_fsdp": rep + ["dp_mod_ep"] + cp if self.ep > 1 else [],
-                 "ep": ["ep"] if self.ep > 1 else [], "cp": cp, "tp": ["tp"] if self.tp > 1 else [],
+                 "experts_fsdp": rep + ["dp_mod_ep"] + ([] if self.ep_takes_cp else cp) if self.ep > 1 else [],
+                 "ep": ep, "cp": cp, "tp": ["tp"] if self.tp > 1 else [],
                  "pp": ["pp"] if self.pp > 1 else [], "same_params": [n for n in names if n != "pp"]}
         return tuple(spans[role])
 
@@ -189,10 +216,10 @@ class Layout:
         return rank_stages(self.coords(rank)["pp"], self.pp, v, self.pp_schedule)
 
     def experts(self, rank: int, n_experts: int) -> range:
-        """The routed experts rank holds of n_experts (all of them without expert parallelism): EP rank r holds
-        the r-th contiguous n_experts / ep (expert_parallel.py)."""
+        """The routed experts rank holds of n_experts (all of them without expert parallelism): EP rank r (its
+        index in its EP group) holds the r-th contiguous n_experts / ep (expert_parallel.py)."""
         per = n_experts // self.ep
-        r = self.coords(rank).get("ep", 0)
+        r = self.members("ep", rank).index(rank)
         return range(r * per, (r + 1) * per)
 
     def describe(self, rank: int, n_experts: int = 0) -> str:
@@ -211,7 +238,8 @@ class Layout:
 
         local_world_size: torchrun's LOCAL_WORLD_SIZE (ranks of this node; None: the world's).
         n_experts: model.n_experts (0: dense), which the ep sizes offered must also divide. The
-        ranks must split into pp x dp_replicate x dp_shard x cp x tp, ep must divide dp_shard, and
+        ranks must split into pp x dp_replicate x dp_shard x cp x tp, ep must divide dp_shard (or, a
+        multiple of cp, ep / cp must: ep_takes_cp), and
         a TP group (the ranks that communicate in every layer) must not span nodes, which with
         torchrun's node-by-node rank order means tp divides the ranks of a node.
         """
@@ -231,12 +259,13 @@ class Layout:
             raise SetupError(f"parallel.dp_replicate ({rep}) does not divide the {dp} data-parallel rank(s) (world "
                              f"size {world} / {div}); {fix} or launch a multiple of {rep * inner} processes")
         shard = dp // rep
-        if shard % self.ep:
-            fits = [d for d in range(1, shard + 1) if shard % d == 0 and (not n_experts or n_experts % d == 0)]
+        if shard % self.ep_shard:
+            fits = [d for d in ep_sizes(shard, cp) if not n_experts or n_experts % d == 0]
+            nor = f", nor is it parallel.cp {cp} times a divisor of them (EP then takes in the CP ranks)" if cp > 1 else ""
             raise SetupError(f"parallel.ep ({self.ep}) does not divide the {shard} data-parallel shard rank(s) (world "
                              f"size {world} / (dp_replicate {rep} x cp {cp} x tp {tp}{f' x pp {pp}' if pp > 1 else ''}"
-                             f")) that expert parallelism splits; use parallel.ep in {fits} or launch a multiple of "
-                             f"{self.ep * rep * inner} processes")
+                             f")) that expert parallelism splits{nor}; use parallel.ep in {fits} or launch a multiple "
+                             f"of {self.ep_shard * rep * inner} processes")
         if local % tp:
             raise SetupError(f"parallel.tp ({tp}) does not divide the {local} process(es) of this node "
                              f"(LOCAL_WORLD_SIZE), so a TP group would span nodes; use a parallel.tp that divides "
@@ -282,14 +311,17 @@ class Layout:
             shard_cp = flat(shard_dims + ("cp",), "dp_shard_cp")
             fsdp = mesh[rep + ("dp_shard_cp",)] if rep else shard_cp
             loss = flat(rep + shard_dims + ("cp",), "dp_cp") if rep else shard_cp
-        experts_fsdp = None
-        if self.ep > 1:  # dp_mod_ep with the CP ranks joined, as the shard dimension is for the other parameters
+        experts_fsdp, ep = None, sub("ep")
+        if self.ep_takes_cp:  # the EP group is dp_in_ep x cp, one flat dimension for the all-to-all
+            ep = flat(self.role_dims("ep"), "ep")
+            experts_fsdp = mesh[rep + ("dp_mod_ep",)] if rep else mesh["dp_mod_ep"]
+        elif self.ep > 1:  # dp_mod_ep with the CP ranks joined, as the shard dimension is for the other parameters
             inner, inner_name = (flat(("dp_mod_ep", "cp"), "dp_mod_ep_cp"), "dp_mod_ep_cp") if self.cp > 1 else (
                 mesh["dp_mod_ep"], "dp_mod_ep")
             experts_fsdp = mesh[rep + (inner_name,)] if rep else inner
         same = self.role_dims("same_params")
         same_params = flat(same, "stage").get_group() if self.pp > 1 else None
-        return Mesh(self, mesh, data=data, loss=loss, fsdp=fsdp, experts_fsdp=experts_fsdp, ep=sub("ep"),
+        return Mesh(self, mesh, data=data, loss=loss, fsdp=fsdp, experts_fsdp=experts_fsdp, ep=ep,
                     cp=sub("cp"), tp=sub("tp"), pp=sub("pp"), same_params=same_params)
 
 

@@ -284,10 +284,11 @@ TOP_1_REFUSAL = ("error: model.experts_per_token 1 with model.moe_renormalize tr
     ([*MOE, "--parallel.ep", "4"], "parallel.ep (4) does not divide the 2 data-parallel shard rank(s) (world size 2 "
                                    "/ (dp_replicate 1 x cp 1 x tp 1)) that expert parallelism splits; use parallel.ep "
                                    "in [1, 2] or launch a multiple of 4 processes"),
-    ([*MOE, "--parallel.ep", "2", "--parallel.cp", "2"], "parallel.ep (2) does not divide the 1 data-parallel shard "
+    ([*MOE, "--parallel.ep", "4", "--parallel.cp", "2"], "parallel.ep (4) does not divide the 1 data-parallel shard "
                                                          "rank(s) (world size 2 / (dp_replicate 1 x cp 2 x tp 1)) that "
-                                                         "expert parallelism splits; use parallel.ep in [1] or launch "
-                                                         "a multiple of 4 processes"),
+                                                         "expert parallelism splits, nor is it parallel.cp 2 times a "
+                                                         "divisor of them (EP then takes in the CP ranks); use "
+                                                         "parallel.ep in [1, 2] or launch a multiple of 4 processes"),
     ([*MOE, "--parallel.ep", "0"], "parallel.ep must be >= 1, got 0"),
     ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf: '/nonexistent' is not a directory"),
 ])
@@ -519,13 +520,15 @@ MOE_LAYOUTS = {
     "hsdp2-ep2": (4, 1, [], [*EP2, "--parallel.dp_replicate", "2"]),
     "ep2-tp2": (4, 2, [], EP2),
     "ep2-cp2": (4, 1, [], [*EP2, "--parallel.cp", "2"]),
+    "cp2-ep2": (2, 1, [], [*EP2, "--parallel.cp", "2"]),
 }
 """id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2 plain, with recomputed activations,
 with Muon; expert parallelism over 2 ranks, with each activation checkpointing (none, full, selective: the experts'
 own fully_shard group runs its hooks inside the recomputed block); tensor parallelism (train_2d.py's plan); context
 parallelism (each rank routes its own share of the sequence, parallel/moe_sequence.py); and experts both split over
 EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP with EP inside a replica; EP with TP and with CP
-(each EP rank sends its own share of the sequence). CP with TP (the balance loss summed over both groups) is left to
+(each EP rank sends its own share of the sequence); EP over the CP ranks (2 ranks: one data-parallel rank, the
+layout's size check refused it before). CP with TP (the balance loss summed over both groups) is left to
 a manual run, to keep the suite in its time: 4 ranks, --parallel.cp 2 --parallel.tp 2 --model.n_kv_heads 4, equal to
 one process to 1.2e-7 (issue 54's note)."""
 
