@@ -228,10 +228,18 @@ class HeldWork:
         return getattr(self.work, name)
 
 
-def role_of(layout: Layout, ranks: tuple[int, ...], rank: int) -> str:
-    """The name of rank's group ranks: the role whose group it is (ROLE_ORDER's first), else the mesh dimension
-    along which its ranks differ (HSDP's 'dp_shard' and 'dp_replicate'), else 'world' or 'other'."""
-    for role in ROLE_ORDER:
+FSDP_KINDS = ("all_gather", "reduce_scatter")
+"""The collectives named by an FSDP role first where its group is also another's: FSDP's gathers and reductions over
+ranks that are also the EP group (ep = the data-parallel ranks) or the CP group (one data-parallel rank) are FSDP's
+(overlapped, planning/estimate.py), where the ranks alone would name them 'ep' or 'cp' (exposed). TP's gathers never
+share FSDP's ranks (their dimensions are disjoint)."""
+
+
+def role_of(layout: Layout, ranks: tuple[int, ...], rank: int, kind: str = "") -> str:
+    """The name of rank's group ranks for a collective of kind ('all_gather', ...): the role whose group it is
+    (ROLE_ORDER's first, the FSDP roles first for FSDP_KINDS), else the mesh dimension along which its ranks differ
+    (HSDP's 'dp_shard' and 'dp_replicate'), else 'world' or 'other'."""
+    for role in (("experts_fsdp", "fsdp") if kind in FSDP_KINDS else ()) + ROLE_ORDER:
         if layout.role_dims(role) and tuple(layout.members(role, rank)) == ranks:
             return role
     mine = layout.coords(rank)
@@ -293,7 +301,7 @@ def dry_run(cfg: Config, world_size: int, rank: int, tp_plan: TPPlan | None = No
     comm, calls, groups = {}, {}, {}
     for key in step.comm:
         kind, ranks = key
-        group = role_of(layout, ranks, rank)
+        group = role_of(layout, ranks, rank, kind)
         groups[group] = list(ranks)
         name = f"{kind} {group}"
         comm[name] = comm.get(name, 0) + step.comm[key] + more * first_comm.get(key, 0)

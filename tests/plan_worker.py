@@ -49,7 +49,7 @@ def account(argv: list[str], rank: int, world: int, device) -> dict:
         train_step(tr, batches, lambda model: held.update(held_bytes(model, tr.optimizer)))
     comm = {}
     for (kind, ranks), nbytes in step.comm.items():
-        name = f"{kind} {role_of(layout, ranks, rank)}"
+        name = f"{kind} {role_of(layout, ranks, rank, kind)}"
         comm[name] = comm.get(name, 0) + nbytes
     return {"held": held, "peak_bytes": step.peak_bytes, "at_peak": step.at_peak, "comm": comm}
 

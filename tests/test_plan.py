@@ -17,7 +17,7 @@ from launch import DEBUG, ROOT, metrics, torchrun
 from model import num_params
 from parallel import distributed
 from parallel.layout import Layout
-from planning.dryrun import dry_run, planned_ranks
+from planning.dryrun import dry_run, planned_ranks, role_of
 from planning.gpus import GPUS
 
 PEAK_RTOL = 0.02
@@ -54,6 +54,16 @@ def assert_same_accounting(plan, real: dict, what: str, pp_stages: int = 2) -> N
     vote = {k: 4 * (pp_stages - 1) for k in plan.comm if k in ("send pp", "recv pp")}
     assert {k: v - vote.get(k, 0) for k, v in plan.comm.items() if k not in routed} == \
         {k: v for k, v in real["comm"].items() if k not in routed}, what
+
+
+@pytest.mark.parametrize("cfg, other", [(dict(ep=2), "ep"), (dict(cp=2), "cp")])
+def test_fsdps_collectives_are_named_fsdp_where_its_ranks_are_also_another_roles(cfg, other):
+    # On 2 ranks at ep 2 (or cp 2) FSDP's group is the EP (CP) group: its gathers and reductions are FSDP's, which
+    # estimate.py overlaps with the compute; the all-to-alls are EP's (Ulysses'), exposed.
+    layout = Layout(2, **cfg)
+    assert layout.members("fsdp", 0) == layout.members(other, 0) == [0, 1]
+    assert [role_of(layout, (0, 1), 0, kind) for kind in ("all_gather", "reduce_scatter", "all_to_all")] == \
+        ["fsdp", "fsdp", other]
 
 
 def test_the_dry_run_at_one_rank_is_the_real_step():
