@@ -18,7 +18,7 @@ def check_moe(cfg, world_size: int = 0) -> None:
     not refused next.
 
     world_size (0: unknown): the parallel.ep values offered must also fit its data-parallel shard ranks
-    (layout.ep_sizes: divide them, or be a multiple of parallel.cp by one that does).
+    (layout.ep_sizes: divide them, or be parallel.cp, or cp x tp, times one that does).
     """
     m, p = cfg.model, cfg.parallel
     if p.ep > 1 and not m.n_experts:
@@ -39,7 +39,7 @@ def check_moe(cfg, world_size: int = 0) -> None:
         inner = p.dp_replicate * p.cp * p.tp * p.pp
         shard = p.data_parallel(world_size) // p.dp_replicate if world_size and world_size % inner == 0 else 0
         fits = [d for d in range(1, m.n_experts + 1)
-                if m.n_experts % d == 0 and (not shard or d in ep_sizes(shard, p.cp))]
+                if m.n_experts % d == 0 and (not shard or d in ep_sizes(shard, p.cp, p.tp))]
         raise SetupError(f"parallel.ep ({p.ep}) does not divide model.n_experts ({m.n_experts}): each EP rank holds "
                          f"whole experts, as many as the others; use parallel.ep in {fits}")
 

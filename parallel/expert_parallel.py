@@ -1,7 +1,7 @@
 """Expert parallelism (``parallel.ep``): each rank holds n_experts / ep routed experts, and tokens travel to them.
 
 The ep ranks of an EP group are data-parallel ranks (EP borrows the FSDP shard dimension, as
-torchtitan does), with the CP ranks where those are too few (parallel/layout.py; docs/cluster.md): each routes its own tokens, then one all-to-all with uneven
+torchtitan does), with the CP, then also the TP ranks where those are too few (Layout.ep_takes; docs/cluster.md): each routes its own tokens, then one all-to-all with uneven
 splits sends every (token, expert) row to the rank holding that expert, the experts run on what
 arrived, and a second all-to-all brings the results back in the sender's order
 (``all_to_all_single``, the collective Ulysses uses, so gloo runs it too). The router, the shared
@@ -58,7 +58,7 @@ def _expert_major(recv_counts: Tensor) -> Tensor:
     return torch.repeat_interleave(starts - first, sizes, output_size=total) + torch.arange(total, device=sizes.device)
 
 
-def ep_forward(experts: nn.Module, x: Tensor, counts: Tensor, *, ep: int, group) -> Tensor:
+def ep_forward(experts: nn.Module, x: Tensor, counts: Tensor, *, ep: int, group, grad_scale: float) -> Tensor:
     """GroupedExperts.forward under expert parallelism (collective over group, the EP ranks).
 
     x (tokens, dim) sorted by global expert, counts (n_experts,) int64 of this rank's rows per
@@ -72,7 +72,7 @@ def ep_forward(experts: nn.Module, x: Tensor, counts: Tensor, *, ep: int, group)
     recv = recv_counts.sum(1).tolist()
     rows = funcol.all_to_all_single_autograd(x, recv, send, group)
     order = _expert_major(recv_counts)
-    weights = [_ScaleGrad.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep)
+    weights = [_ScaleGrad.apply(w.to_local() if isinstance(w, DTensor) else w, grad_scale)
                for w in (experts.w1, experts.w2, experts.w3)]
     out = swiglu_experts(rows[order], recv_counts.sum(0), *weights)
     back = torch.empty_like(order)
@@ -80,10 +80,13 @@ def ep_forward(experts: nn.Module, x: Tensor, counts: Tensor, *, ep: int, group)
     return funcol.all_to_all_single_autograd(out[back], send, recv, group)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_in_ep: int = 1) -> None:
     """Split every MoE layer's routed experts over ep_mesh (1-D, "ep"): parameters Shard(0), forward by all-to-all.
 
-    On the meta device, before FSDP (no communication: init_weights fills the shards later).
+    tp_in_ep: the TP ranks the EP group takes in (Layout.ep_takes; 1: none). The experts' gradient is then
+    complete without the sum over TP that the MoE's other parameters get (moe_sequence.reduce_over_tp), so the
+    backward scales it by tp_in_ep / ep instead of 1 / ep. On the meta device, before FSDP (no communication:
+    init_weights fills the shards later).
     """
     ep = ep_mesh.size()
     for moe in moe_layers(model):
@@ -91,7 +94,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         for name in ("w1", "w2", "w3"):
             full = getattr(experts, name)
             setattr(experts, name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None)))
-        experts.forward = functools.partial(ep_forward, experts, ep=ep, group=ep_mesh.get_group())
+        experts.forward = functools.partial(ep_forward, experts, ep=ep, group=ep_mesh.get_group(),
+                                            grad_scale=tp_in_ep / ep)
 
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh, **fsdp_kwargs) -> None:

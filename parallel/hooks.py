@@ -116,7 +116,7 @@ class MoEHook(StepHook):
         for group in self._token_groups():
             dist.all_reduce(self.counts, group=group)
         if self.mesh.tp is not None:
-            reduce_over_tp(self.model, self.mesh.tp.get_group(), self.device)
+            reduce_over_tp(self.model, self.mesh.tp.get_group(), self.device, "tp" not in self.mesh.layout.ep_takes)
 
     def _token_groups(self) -> list:
         """The process groups over which per-token sums add up to the global batch's: the loss ranks, then TP."""

@@ -21,9 +21,10 @@ The roles (``ROLES``):
                same experts and their own tokens (replicate x dp_mod_ep, x cp unless EP takes the CP
                ranks; TP ranks hold the same shards and sum their gradients after the backward,
                parallel/moe_sequence.py)
-  ep           the expert-parallel group: "ep" data-parallel shard ranks, or, when parallel.ep does
-               not divide them and is a multiple of parallel.cp > 1, ep / cp of them ("dp_in_ep")
-               times the CP ranks (torchtitan's grouping): every rank of it holds its own tokens
+  ep           the expert-parallel group: "ep" data-parallel shard ranks, or, where parallel.ep does
+               not divide them, some of them ("dp_in_ep") times the CP ranks (torchtitan's
+               grouping), or times the CP and TP ranks (Layout.ep_takes): every rank of it holds
+               its own tokens
   cp, tp       the context- and tensor-parallel groups
   pp           the pipeline: one rank per stage
   same_params  the ranks that hold the same parameters: everything but the pipeline
@@ -57,7 +58,7 @@ class ParallelConfig:
     """Context-parallel degree: each sequence is split into cp contiguous slices, one per rank of a CP group, with Ulysses attention (all-to-all of heads); FSDP shards over the data-parallel and CP ranks together. n_heads, n_kv_heads and seq_len must divide by cp (x tp). Both scripts."""
 
     ep: int = 1
-    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (pp x dp_replicate x cp x tp)), or, where those are too few, ep / cp of them times the CP ranks (ep a multiple of cp), each exchanging its own tokens (its share of the sequence under tp and cp); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts, with tp and cp (docs/moe.md)."""
+    """Expert parallelism (model.n_experts > 0): each MoE layer's routed experts are split over ep ranks, tokens sent to them by all-to-all (expert_parallel.py). The ep ranks are data-parallel shard ranks (ep divides world / (pp x dp_replicate x cp x tp)), or, where those are too few, ep / cp of them times the CP ranks (ep a multiple of cp), or ep / (cp x tp) of them times the CP and TP ranks, each exchanging its own tokens (its share of the sequence under tp and cp); the experts are FSDP-sharded over the ranks that hold the same ones. Both scripts, with tp and cp (docs/moe.md)."""
 
     pp: int = 1
     """Pipeline-parallel stages (parallel/pipeline.py): the blocks split into pp contiguous stages, one per rank of a pipeline group, the outermost mesh dimension (so its point-to-point traffic is what crosses nodes). Both scripts; world = pp x data-parallel x cp x tp."""
@@ -93,11 +94,22 @@ class ParallelConfig:
             raise ConfigError(f"parallel.cp must be >= 1, got {self.cp}")
 
 
-def ep_sizes(shard: int, cp: int = 1) -> list[int]:
-    """The parallel.ep values that fit shard data-parallel shard ranks (Layout.dp_shard) at parallel.cp cp: the
-    divisors of shard, and the multiples of cp by them (EP taking in the CP ranks), ascending."""
+def ep_takes_options(cp: int = 1, tp: int = 1) -> list[tuple[tuple[str, ...], int]]:
+    """[(mesh dimensions an EP group takes in besides data-parallel shard ranks, their ranks)], in the order EP tries
+    them: none, then the CP ranks, then the CP and TP ranks (every rank of each holds its own tokens)."""
+    out = [((), 1)]
+    if cp > 1:
+        out.append((("cp",), cp))
+    if tp > 1:
+        out.append((("cp", "tp") if cp > 1 else ("tp",), cp * tp))
+    return out
+
+
+def ep_sizes(shard: int, cp: int = 1, tp: int = 1) -> list[int]:
+    """The parallel.ep values that fit shard data-parallel shard ranks (Layout.dp_shard) at parallel.cp cp and
+    parallel.tp tp, ascending: the divisors of shard, and their multiples by cp, cp x tp (ep_takes_options)."""
     divisors = [d for d in range(1, shard + 1) if shard % d == 0]
-    return sorted(set(divisors) | ({d * cp for d in divisors} if cp > 1 else set()))
+    return sorted({d * m for d in divisors for _, m in ep_takes_options(cp, tp)})
 
 
 ROLES = ("data", "loss", "fsdp", "experts_fsdp", "ep", "cp", "tp", "pp", "same_params")
@@ -141,22 +153,28 @@ class Layout:
         return self.data // self.dp_replicate
 
     @property
-    def ep_takes_cp(self) -> bool:
-        """Whether each EP group takes in the CP ranks: when parallel.ep does not divide the data-parallel shard
-        ranks and is a multiple of parallel.cp > 1 (torchtitan's EP always spans the CP ranks so; here the
-        data-parallel ranks come first, so that a layout that ran before keeps its groups, and a run its bitwise
-        resume). Else its ranks are data-parallel shard ranks alone."""
-        return self.ep > 1 and self.cp > 1 and self.dp_shard % self.ep != 0 and self.ep % self.cp == 0
+    def ep_takes(self) -> tuple[str, ...]:
+        """The mesh dimensions each EP group takes in besides data-parallel shard ranks: () while parallel.ep
+        divides those; else ("cp",) where ep / cp does, then ("cp", "tp") (or ("tp",) without CP) where
+        ep / (cp x tp) does: the first of ep_takes_options that fits. torchtitan's EP always spans the CP ranks
+        and never the TP ones (its experts see the TP ranks' tokens repeated); here every TP rank routes its own
+        tokens (moe_sequence.py), and the data-parallel ranks come first, so that a layout that ran before keeps
+        its groups, and a run its bitwise resume. () too when nothing fits (check refuses it)."""
+        for dims, ranks in ep_takes_options(self.cp, self.tp) if self.ep > 1 else ():
+            if self.ep % ranks == 0 and self.dp_shard % (self.ep // ranks) == 0:
+                return dims
+        return ()
 
     @property
     def ep_shard(self) -> int:
-        """The data-parallel shard ranks in an EP group: ep, or ep / cp when it takes in the CP ranks."""
-        return self.ep // self.cp if self.ep_takes_cp else self.ep
+        """The data-parallel shard ranks in an EP group: ep over the ranks of the dimensions it takes in."""
+        sizes = {"cp": self.cp, "tp": self.tp}
+        return self.ep // math.prod(sizes[d] for d in self.ep_takes)
 
     def dims(self) -> tuple[tuple[str, int], ...]:
         """((mesh dimension name, size), ...) outermost first; a dimension of size 1 is left out, but for the
         data-parallel shard ranks, which are always there."""
-        inner = "dp_in_ep" if self.ep_takes_cp else "ep"
+        inner = "dp_in_ep" if self.ep_takes else "ep"
         shard = ((("dp_mod_ep", self.dp_shard // self.ep_shard), (inner, self.ep_shard)) if self.ep > 1 else
                  ((("dp_shard" if self.dp_replicate > 1 else "dp"), self.dp_shard),))
         out = ((("pp", self.pp),) if self.pp > 1 else ()) + (
@@ -172,9 +190,9 @@ class Layout:
         shard = [n for n in names if n in ("dp", "dp_shard", "dp_mod_ep", "ep", "dp_in_ep")]
         rep = ["dp_replicate"] if self.dp_replicate > 1 else []
         cp = ["cp"] if self.cp > 1 else []
-        ep = (["dp_in_ep"] + cp if self.ep_takes_cp else ["ep"]) if self.ep > 1 else []
+        ep = (["dp_in_ep", *self.ep_takes] if self.ep_takes else ["ep"]) if self.ep > 1 else []
         spans = {"data": rep + shard, "loss": rep + shard + cp, "fsdp": rep + shard + cp,
-                 "experts_fsdp": rep + ["dp_mod_ep"] + ([] if self.ep_takes_cp else cp) if self.ep > 1 else [],
+                 "experts_fsdp": rep + ["dp_mod_ep"] + ([] if "cp" in self.ep_takes else cp) if self.ep > 1 else [],
                  "ep": ep, "cp": cp, "tp": ["tp"] if self.tp > 1 else [],
                  "pp": ["pp"] if self.pp > 1 else [], "same_params": [n for n in names if n != "pp"]}
         return tuple(spans[role])
@@ -239,7 +257,7 @@ class Layout:
         local_world_size: torchrun's LOCAL_WORLD_SIZE (ranks of this node; None: the world's).
         n_experts: model.n_experts (0: dense), which the ep sizes offered must also divide. The
         ranks must split into pp x dp_replicate x dp_shard x cp x tp, ep must divide dp_shard (or, a
-        multiple of cp, ep / cp must: ep_takes_cp), and
+        multiple of cp or cp x tp, ep over it must: ep_takes), and
         a TP group (the ranks that communicate in every layer) must not span nodes, which with
         torchrun's node-by-node rank order means tp divides the ranks of a node.
         """
@@ -260,12 +278,15 @@ class Layout:
                              f"size {world} / {div}); {fix} or launch a multiple of {rep * inner} processes")
         shard = dp // rep
         if shard % self.ep_shard:
-            fits = [d for d in ep_sizes(shard, cp) if not n_experts or n_experts % d == 0]
-            nor = f", nor is it parallel.cp {cp} times a divisor of them (EP then takes in the CP ranks)" if cp > 1 else ""
+            fits = [d for d in ep_sizes(shard, cp, tp) if not n_experts or n_experts % d == 0]
+            times = " or ".join(f"{' x '.join(f'parallel.{d}' for d in dims)} ({m})"
+                                for dims, m in ep_takes_options(cp, tp)[1:])
+            nor = f", nor is it {times} times a divisor of them (EP then takes in those ranks)" if times else ""
+            least = min(self.ep // m for _, m in ep_takes_options(cp, tp) if self.ep % m == 0)
             raise SetupError(f"parallel.ep ({self.ep}) does not divide the {shard} data-parallel shard rank(s) (world "
                              f"size {world} / (dp_replicate {rep} x cp {cp} x tp {tp}{f' x pp {pp}' if pp > 1 else ''}"
                              f")) that expert parallelism splits{nor}; use parallel.ep in {fits} or launch a multiple "
-                             f"of {self.ep_shard * rep * inner} processes")
+                             f"of {least * rep * inner} processes")
         if local % tp:
             raise SetupError(f"parallel.tp ({tp}) does not divide the {local} process(es) of this node "
                              f"(LOCAL_WORLD_SIZE), so a TP group would span nodes; use a parallel.tp that divides "
@@ -312,8 +333,9 @@ class Layout:
             fsdp = mesh[rep + ("dp_shard_cp",)] if rep else shard_cp
             loss = flat(rep + shard_dims + ("cp",), "dp_cp") if rep else shard_cp
         experts_fsdp, ep = None, sub("ep")
-        if self.ep_takes_cp:  # the EP group is dp_in_ep x cp, one flat dimension for the all-to-all
+        if self.ep_takes:  # the EP group is dp_in_ep x the dimensions taken in, one flat dimension for the all-to-all
             ep = flat(self.role_dims("ep"), "ep")
+        if "cp" in self.ep_takes or self.ep_takes == ("tp",):
             experts_fsdp = mesh[rep + ("dp_mod_ep",)] if rep else mesh["dp_mod_ep"]
         elif self.ep > 1:  # dp_mod_ep with the CP ranks joined, as the shard dimension is for the other parameters
             inner, inner_name = (flat(("dp_mod_ep", "cp"), "dp_mod_ep_cp"), "dp_mod_ep_cp") if self.cp > 1 else (

@@ -12,7 +12,9 @@ What the split asks in return, each exact:
   ranks only) but each TP rank's backward covers its own tokens, so after the backward their
   (sharded) gradients are summed over the TP group: one all-reduce of this rank's shards, 1 / dp of
   the parameters, before clipping (``reduce_over_tp``, called by parallel/hooks.MoEHook). Under CP,
-  FSDP2 already reduces over the CP ranks (they are in its mesh, and the experts' too);
+  FSDP2 already reduces over the CP ranks (they are in its mesh, and the experts' too). An EP group
+  that takes in the TP ranks (Layout.ep_takes) splits the routed experts over them instead: each
+  expert then receives every TP rank's tokens, and its gradient is left out of that sum;
 - the step's token counts and logged aux loss are summed over TP as over the data-parallel ranks
   (MoEHook);
 - the sequence-wise balance loss needs each whole sequence's choices: ``MoE.sequence_sum`` sums
@@ -57,12 +59,14 @@ def _sum_over(x: Tensor, groups: tuple) -> Tensor:
     return x
 
 
-def reduce_over_tp(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+def reduce_over_tp(model: nn.Module, group: dist.ProcessGroup, device: torch.device, experts: bool = True) -> None:
     """Sum the gradients of every MoE layer's parameters of model over group (the TP ranks), in place, with one
     all-reduce on device (the gradients may sit in CPU memory under parallel.cpu_offload); call once the step's
-    gradients are complete. A parameter without a gradient is left out on every rank alike: the ranks of a TP
-    group hold the same layers and run the same experts' code."""
-    grads = [p.grad for moe in moe_layers(model) for p in moe.parameters() if p.grad is not None]
+    gradients are complete. experts False leaves the routed experts out: an EP group that takes in the TP ranks
+    (Layout.ep_takes) has sent each expert every TP rank's tokens already. A parameter without a gradient is left
+    out on every rank alike: the ranks of a TP group hold the same layers and run the same experts' code."""
+    grads = [p.grad for moe in moe_layers(model) for name, p in moe.named_parameters()
+             if p.grad is not None and (experts or not name.startswith("experts."))]
     if not grads:
         return
     local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]

@@ -92,7 +92,7 @@ def parallelize(model: Transformer, mesh: Mesh, cfg: ParallelConfig, *, dtype: s
         apply_ulysses(model, mesh.cp)
     split_sequences(model, [m for m in (mesh.cp, mesh.tp) if m is not None])
     if mesh.ep is not None:
-        apply_expert_parallel(model, mesh.ep)
+        apply_expert_parallel(model, mesh.ep, mesh.size("tp") if "tp" in mesh.layout.ep_takes else 1)
     if compile and mesh.tp is not None and getattr(model, "tok_embeddings", None) is not None:
         # Under TP the embedding's output is an AsyncCollectiveTensor (its reduce-scatter to sequence shards still in
         # flight), and a compiled first block given one returns no gradient for it: the embedding never trained

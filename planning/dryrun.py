@@ -228,18 +228,19 @@ class HeldWork:
         return getattr(self.work, name)
 
 
-FSDP_KINDS = ("all_gather", "reduce_scatter")
-"""The collectives named by an FSDP role first where its group is also another's: FSDP's gathers and reductions over
+FIRST = {"all_gather": ("experts_fsdp", "fsdp"), "reduce_scatter": ("experts_fsdp", "fsdp"), "all_to_all": ("cp", "ep")}
+"""{collective: the roles that name it first where their group is also another's}. FSDP's gathers and reductions over
 ranks that are also the EP group (ep = the data-parallel ranks) or the CP group (one data-parallel rank) are FSDP's
-(overlapped, planning/estimate.py), where the ranks alone would name them 'ep' or 'cp' (exposed). TP's gathers never
-share FSDP's ranks (their dimensions are disjoint)."""
+(overlapped, planning/estimate.py), where the ranks alone would name them 'ep' or 'cp' (exposed); TP's gathers never
+share FSDP's ranks (their dimensions are disjoint). An all-to-all is Ulysses' or EP's, never TP's, also where EP takes
+in the TP ranks."""
 
 
 def role_of(layout: Layout, ranks: tuple[int, ...], rank: int, kind: str = "") -> str:
     """The name of rank's group ranks for a collective of kind ('all_gather', ...): the role whose group it is
-    (ROLE_ORDER's first, the FSDP roles first for FSDP_KINDS), else the mesh dimension along which its ranks differ
+    (ROLE_ORDER's first, FIRST's roles before for kind), else the mesh dimension along which its ranks differ
     (HSDP's 'dp_shard' and 'dp_replicate'), else 'world' or 'other'."""
-    for role in (("experts_fsdp", "fsdp") if kind in FSDP_KINDS else ()) + ROLE_ORDER:
+    for role in FIRST.get(kind, ()) + ROLE_ORDER:
         if layout.role_dims(role) and tuple(layout.members(role, rank)) == ranks:
             return role
     mine = layout.coords(rank)

@@ -44,14 +44,17 @@ from training.session import build  # noqa: E402
 from training.step import train_step  # noqa: E402
 
 
-def replica_spread(model, tp_mesh) -> dict[str, float]:
+def replica_spread(model, tp_mesh, experts_split: bool = False) -> dict[str, float]:
     """Largest |difference| between TP ranks' local copies of each parameter replicated over "tp" (Replicate on
-    "tp", or not on "tp" at all: an MoE's router and experts, computed whole on every TP rank)."""
+    "tp", or not on "tp" at all: an MoE's router and experts, computed whole on every TP rank). experts_split: the
+    routed experts are split over the TP ranks (an EP group that takes them in), not replicated."""
     out = {}
     group = tp_mesh.get_group()
     for name, p in model.named_parameters():
         names = p.device_mesh.mesh_dim_names
         if "tp" in names and not p.placements[names.index("tp")].is_replicate():
+            continue
+        if experts_split and ".feed_forward.experts." in name:
             continue
         local = p.to_local().detach().contiguous()
         copies = [torch.empty_like(local) for _ in range(tp_mesh.size())]
@@ -102,7 +105,7 @@ def run_job(argv: list[str]) -> None:
         if record:
             result.setdefault("moe", []).append(record)
     if args.tp > 1:
-        result["replicated"] = replica_spread(s.model, s.mesh.tp)
+        result["replicated"] = replica_spread(s.model, s.mesh.tp, "tp" in s.mesh.layout.ep_takes)
     if rank == 0:
         torch.save(result, args.out)
     del s

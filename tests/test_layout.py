@@ -37,20 +37,27 @@ def test_groups_of_hsdp_with_context_parallelism_and_of_expert_parallelism_are_t
     assert list(lay.experts(6, 8)) == [4, 5]
 
 
-def test_ep_takes_in_the_context_parallel_ranks_only_where_the_data_parallel_ones_are_too_few():
+def test_ep_takes_in_the_cp_then_the_tp_ranks_only_where_the_data_parallel_ones_are_too_few():
     # world 8 = dp 2 x cp 4, ep 2: EP fits the 2 data-parallel ranks and keeps to them (every 4th rank)
     lay = Layout.of(ParallelConfig(ep=2, cp=4), 8)
-    assert not lay.ep_takes_cp and lay.groups("ep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert lay.ep_takes == () and lay.groups("ep") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert lay.groups("experts_fsdp") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the CP ranks hold the same experts
     # world 8 = dp 2 x cp 4, ep 8: dp_in_ep 2 x cp 4, the whole world; each rank holds its own expert
     lay = Layout.of(ParallelConfig(ep=8, cp=4), 8)
-    assert lay.ep_takes_cp and lay.groups("ep") == [list(range(8))]
+    assert lay.ep_takes == ("cp",) and lay.groups("ep") == [list(range(8))]
     assert lay.groups("experts_fsdp") == [[r] for r in range(8)]
     assert [lay.experts(r, 8).start for r in range(8)] == list(range(8))
     # world 4 = dp 2 x cp 2 under HSDP (2 replicas of 1 shard rank), ep 2: the CP pair; replicas hold the same
     lay = Layout.of(ParallelConfig(ep=2, cp=2, dp_replicate=2), 4)
     assert lay.groups("ep") == [[0, 1], [2, 3]] and lay.groups("experts_fsdp") == [[0, 2], [1, 3]]
     assert lay.groups("loss") == [[0, 1, 2, 3]]
+    # world 4 = dp 2 x tp 2, ep 4: too many for the data-parallel ranks, so dp_in_ep 2 x tp 2; the TP ranks' tokens
+    # are their own (moe_sequence.py), and each rank holds its own experts
+    lay = Layout.of(ParallelConfig(ep=4, tp=2), 4)
+    assert lay.ep_takes == ("tp",) and lay.groups("ep") == [[0, 1, 2, 3]]
+    assert lay.groups("experts_fsdp") == [[0], [1], [2], [3]] and lay.groups("tp") == [[0, 1], [2, 3]]
+    # world 8 = dp 2 x cp 2 x tp 2, ep 8: the CP and the TP ranks too
+    assert Layout.of(ParallelConfig(ep=8, cp=2, tp=2), 8).ep_takes == ("cp", "tp")
 
 
 def test_an_interleaved_pipeline_puts_stage_r_and_r_plus_pp_on_rank_r_and_a_v_schedule_folds_back():
@@ -61,7 +68,8 @@ def test_an_interleaved_pipeline_puts_stage_r_and_r_plus_pp_on_rank_r_and_a_v_sc
 LAYOUTS = [(ParallelConfig(), 4), (ParallelConfig(tp=2), 8), (ParallelConfig(dp_replicate=2, cp=2), 16),
            (ParallelConfig(pp=2, dp_replicate=2, tp=2), 16), (ParallelConfig(ep=4, dp_replicate=2), 16),
            (ParallelConfig(pp=2, ep=2, pp_schedule="Interleaved1F1B"), 8), (ParallelConfig(pp=2, cp=2, tp=2), 64),
-           (ParallelConfig(ep=4, cp=2, tp=2), 8), (ParallelConfig(ep=4, cp=2, dp_replicate=2), 16)]
+           (ParallelConfig(ep=4, cp=2, tp=2), 8), (ParallelConfig(ep=4, cp=2, dp_replicate=2), 16),
+           (ParallelConfig(ep=4, tp=2), 4), (ParallelConfig(ep=8, cp=2, tp=2), 8)]
 
 
 def _ranks(m) -> list[int]:
@@ -106,7 +114,7 @@ def test_a_layout_of_4096_ranks_lists_every_rank_without_starting_anything():
     (ParallelConfig(ep=4), 6, 6, "parallel.ep (4) does not divide the 6 data-parallel shard rank(s)"),
     (ParallelConfig(ep=3, cp=2), 4, 4, "parallel.ep (3) does not divide the 2 data-parallel shard rank(s) (world "
                                        "size 4 / (dp_replicate 1 x cp 2 x tp 1)) that expert parallelism splits, nor "
-                                       "is it parallel.cp 2 times a divisor of them"),
+                                       "is it parallel.cp (2) times a divisor of them"),
     (ParallelConfig(tp=4), 8, 2, "parallel.tp (4) does not divide the 2 process(es) of this node"),
 ])
 def test_a_layout_that_does_not_split_the_ranks_is_refused_naming_the_numbers(cfg, world, local, words):

@@ -286,8 +286,8 @@ TOP_1_REFUSAL = ("error: model.experts_per_token 1 with model.moe_renormalize tr
                                    "in [1, 2] or launch a multiple of 4 processes"),
     ([*MOE, "--parallel.ep", "4", "--parallel.cp", "2"], "parallel.ep (4) does not divide the 1 data-parallel shard "
                                                          "rank(s) (world size 2 / (dp_replicate 1 x cp 2 x tp 1)) that "
-                                                         "expert parallelism splits, nor is it parallel.cp 2 times a "
-                                                         "divisor of them (EP then takes in the CP ranks); use "
+                                                         "expert parallelism splits, nor is it parallel.cp (2) times "
+                                                         "a divisor of them (EP then takes in those ranks); use "
                                                          "parallel.ep in [1, 2] or launch a multiple of 4 processes"),
     ([*MOE, "--parallel.ep", "0"], "parallel.ep must be >= 1, got 0"),
     ([*MOE, "--init_from_hf", "/nonexistent"], "--init_from_hf: '/nonexistent' is not a directory"),
@@ -423,14 +423,16 @@ def test_expert_parallelism_with_selective_checkpointing_and_compile_together_is
                 train_fsdp.main([*base, *fix])
 
 
-def test_expert_parallelism_borrows_only_data_parallel_ranks_under_tensor_parallelism(tmp_path, monkeypatch, capsys):
-    """EP with TP runs (MOE_LAYOUTS' ep2-tp2) where the data-parallel ranks hold the EP group; at tp 2 on 2 ranks
-    there is one, and the size check says so before any collective."""
+def test_an_ep_that_neither_the_data_parallel_nor_the_tp_ranks_fit_is_refused_before_any_collective(
+        tmp_path, monkeypatch, capsys):
+    """EP with TP runs over the data-parallel ranks (MOE_LAYOUTS' ep2-tp2) or, where those are too few, over them and
+    the TP ranks (tp2-ep2); at tp 2 on 2 ranks an ep of 4 fits neither, and the size check says so."""
     with before_any_collective(monkeypatch, 2):
         line = refused(train_2d.main, ["--config", DEBUG, "--run_dir", str(tmp_path / "run"), "--parallel.tp", "2",
-                                       "--parallel.ep", "2", *MOE], capsys)
-    assert "parallel.ep (2) does not divide the 1 data-parallel shard rank(s) (world size 2 / (dp_replicate 1 x cp 1 " \
-        "x tp 2)) that expert parallelism splits; use parallel.ep in [1] or launch a multiple of 4 processes" in line, line
+                                       "--parallel.ep", "4", *MOE], capsys)
+    assert "parallel.ep (4) does not divide the 1 data-parallel shard rank(s) (world size 2 / (dp_replicate 1 x cp 1 " \
+        "x tp 2)) that expert parallelism splits, nor is it parallel.tp (2) times a divisor of them (EP then takes " \
+        "in those ranks); use parallel.ep in [1, 2] or launch a multiple of 4 processes" in line, line
 
 
 @pytest.fixture(scope="module")
@@ -521,14 +523,15 @@ MOE_LAYOUTS = {
     "ep2-tp2": (4, 2, [], EP2),
     "ep2-cp2": (4, 1, [], [*EP2, "--parallel.cp", "2"]),
     "cp2-ep2": (2, 1, [], [*EP2, "--parallel.cp", "2"]),
+    "tp2-ep2": (2, 2, [], EP2),
 }
 """id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2 plain, with recomputed activations,
 with Muon; expert parallelism over 2 ranks, with each activation checkpointing (none, full, selective: the experts'
 own fully_shard group runs its hooks inside the recomputed block); tensor parallelism (train_2d.py's plan); context
 parallelism (each rank routes its own share of the sequence, parallel/moe_sequence.py); and experts both split over
 EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP with EP inside a replica; EP with TP and with CP
-(each EP rank sends its own share of the sequence); EP over the CP ranks (2 ranks: one data-parallel rank, the
-layout's size check refused it before). CP with TP (the balance loss summed over both groups) is left to
+(each EP rank sends its own share of the sequence); EP over the CP ranks and over the TP ranks (2 ranks: one
+data-parallel rank, too few for EP, which takes in the others; the size check refused both before). CP with TP (the balance loss summed over both groups) is left to
 a manual run, to keep the suite in its time: 4 ranks, --parallel.cp 2 --parallel.tp 2 --model.n_kv_heads 4, equal to
 one process to 1.2e-7 (issue 54's note)."""
 

@@ -56,14 +56,16 @@ def assert_same_accounting(plan, real: dict, what: str, pp_stages: int = 2) -> N
         {k: v for k, v in real["comm"].items() if k not in routed}, what
 
 
-@pytest.mark.parametrize("cfg, other", [(dict(ep=2), "ep"), (dict(cp=2), "cp")])
-def test_fsdps_collectives_are_named_fsdp_where_its_ranks_are_also_another_roles(cfg, other):
+@pytest.mark.parametrize("cfg, same, other", [(dict(ep=2), "fsdp", "ep"), (dict(cp=2), "fsdp", "cp"),
+                                              (dict(ep=2, tp=2), "tp", "ep")])
+def test_collectives_are_named_by_the_role_that_issues_them_where_groups_share_ranks(cfg, same, other):
     # On 2 ranks at ep 2 (or cp 2) FSDP's group is the EP (CP) group: its gathers and reductions are FSDP's, which
-    # estimate.py overlaps with the compute; the all-to-alls are EP's (Ulysses'), exposed.
+    # estimate.py overlaps with the compute; the all-to-alls are EP's (Ulysses'), exposed. At tp 2 x ep 2 the EP
+    # group is the TP pair: the gathers are TP's, the all-to-alls EP's.
     layout = Layout(2, **cfg)
-    assert layout.members("fsdp", 0) == layout.members(other, 0) == [0, 1]
+    assert layout.members(same, 0) == layout.members(other, 0) == [0, 1]
     assert [role_of(layout, (0, 1), 0, kind) for kind in ("all_gather", "reduce_scatter", "all_to_all")] == \
-        ["fsdp", "fsdp", other]
+        [same, same, other]
 
 
 def test_the_dry_run_at_one_rank_is_the_real_step():
