@@ -8,9 +8,10 @@ dimension names.
 
 The dimensions, outermost first (consecutive ranks share the innermost): "pp", "dp_replicate",
 the data-parallel shard ranks ("dp", or "dp_shard" under HSDP, split into "dp_mod_ep" x "ep"
-under expert parallelism, or "dp_mod_ep" x "dp_in_ep" when EP takes in the CP ranks), "cp", "tp". With torchrun's rank order (node by node) a TP group,
-then a CP group, then a shard group stay inside a node when their sizes divide the node's ranks,
-and the pipeline's point-to-point traffic is what crosses nodes. The names are torchtitan's.
+under expert parallelism, or "dp_mod_ep" x "dp_in_ep" when EP takes in the CP or TP ranks), "cp",
+"tp". With torchrun's rank order (node by node) a TP group, then a CP group, then a shard group
+stay inside a node when their sizes divide the node's ranks, and the pipeline's point-to-point
+traffic is what crosses nodes. The names are torchtitan's.
 
 The roles (``ROLES``):
   data         every data-parallel rank: the loader's split, HSDP's replicas included
@@ -20,7 +21,7 @@ The roles (``ROLES``):
   experts_fsdp what fully_shard shards the routed experts over under EP: the ranks that hold the
                same experts and their own tokens (replicate x dp_mod_ep, x cp unless EP takes the CP
                ranks; TP ranks hold the same shards and sum their gradients after the backward,
-               parallel/moe_sequence.py)
+               parallel/moe_sequence.py, unless EP takes them in)
   ep           the expert-parallel group: "ep" data-parallel shard ranks, or, where parallel.ep does
                not divide them, some of them ("dp_in_ep") times the CP ranks (torchtitan's
                grouping), or times the CP and TP ranks (Layout.ep_takes): every rank of it holds
@@ -119,7 +120,7 @@ ROLES = ("data", "loss", "fsdp", "experts_fsdp", "ep", "cp", "tp", "pp", "same_p
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How world_size ranks split into pp x dp_replicate x dp_shard x cp x tp (dp_shard = dp_mod_ep x ep, or
-    dp_mod_ep x dp_in_ep when EP takes in the CP ranks)."""
+    dp_mod_ep x dp_in_ep when EP takes in the CP or TP ranks: ep_takes)."""
 
     world_size: int
     pp: int = 1
