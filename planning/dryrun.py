@@ -228,27 +228,40 @@ class HeldWork:
         return getattr(self.work, name)
 
 
-FIRST = {"all_gather": ("experts_fsdp", "fsdp"), "reduce_scatter": ("experts_fsdp", "fsdp"), "all_to_all": ("cp", "ep")}
-"""{collective: the roles that name it first where their group is also another's}. FSDP's gathers and reductions over
-ranks that are also the EP group (ep = the data-parallel ranks) or the CP group (one data-parallel rank) are FSDP's
-(overlapped, planning/estimate.py), where the ranks alone would name them 'ep' or 'cp' (exposed); TP's gathers never
-share FSDP's ranks (their dimensions are disjoint). An all-to-all is Ulysses' or EP's, never TP's, also where EP takes
-in the TP ranks."""
+FSDP_KINDS = ("all_gather", "reduce_scatter")
+"""FSDP's collectives, named by an FSDP role first where their group is also another's: its gathers and reductions
+over ranks that are also the EP group (ep = the data-parallel ranks) or the CP group (one data-parallel rank) are
+FSDP's (overlapped, planning/estimate.py), where the ranks alone would name them 'ep' or 'cp' (exposed); under HSDP
+they run over the shard dimensions of FSDP's mesh alone. TP's gathers never share FSDP's ranks (their dimensions are
+disjoint). An all-to-all is Ulysses' or EP's, never TP's ('cp' where EP's group is the CP group: the same ranks);
+HSDP's all-reduce between replicas is named 'dp_replicate' whatever other group has its ranks."""
+
+
+def _along(layout: Layout, dims, rank: int) -> tuple[int, ...]:
+    """The ranks whose coordinates differ from rank's only along the mesh dimensions dims (row-major, as
+    Layout.members)."""
+    mine, ranks = layout.coords(rank), [0]
+    for name, size in layout.dims():
+        ranks = [r * size + c for r in ranks for c in (range(size) if name in dims else (mine[name],))]
+    return tuple(ranks)
 
 
 def role_of(layout: Layout, ranks: tuple[int, ...], rank: int, kind: str = "") -> str:
-    """The name of rank's group ranks for a collective of kind ('all_gather', ...): the role whose group it is
-    (ROLE_ORDER's first, FIRST's roles before for kind), else the mesh dimension along which its ranks differ
-    (HSDP's 'dp_shard' and 'dp_replicate'), else 'world' or 'other'."""
-    for role in FIRST.get(kind, ()) + ROLE_ORDER:
+    """The name of rank's group ranks for a collective of kind ('all_gather', ...): FSDP's role for its collectives
+    (FSDP_KINDS), 'dp_replicate' for HSDP's all-reduce, else the role whose group it is (ROLE_ORDER's first), else
+    the mesh dimension along which its ranks differ, else 'world' or 'other'."""
+    if kind in FSDP_KINDS:
+        for role in ("experts_fsdp", "fsdp"):
+            shard = [d for d in layout.role_dims(role) if d != "dp_replicate"]
+            if shard and _along(layout, shard, rank) == ranks:
+                return role
+    if kind == "all_reduce" and layout.dp_replicate > 1 and _along(layout, ["dp_replicate"], rank) == ranks:
+        return "dp_replicate"
+    for role in (("cp", "ep") if kind == "all_to_all" else ()) + ROLE_ORDER:
         if layout.role_dims(role) and tuple(layout.members(role, rank)) == ranks:
             return role
-    mine = layout.coords(rank)
     for dim, _ in layout.dims():
-        along = [0]
-        for name, size in layout.dims():  # row-major, as Layout.members
-            along = [r * size + c for r in along for c in (range(size) if name == dim else (mine[name],))]
-        if tuple(along) == ranks:
+        if _along(layout, [dim], rank) == ranks:
             return dim
     return "world" if len(ranks) == layout.world_size else "other"
 

@@ -56,16 +56,20 @@ def assert_same_accounting(plan, real: dict, what: str, pp_stages: int = 2) -> N
         {k: v for k, v in real["comm"].items() if k not in routed}, what
 
 
-@pytest.mark.parametrize("cfg, same, other", [(dict(ep=2), "fsdp", "ep"), (dict(cp=2), "fsdp", "cp"),
-                                              (dict(ep=2, tp=2), "tp", "ep")])
-def test_collectives_are_named_by_the_role_that_issues_them_where_groups_share_ranks(cfg, same, other):
-    # On 2 ranks at ep 2 (or cp 2) FSDP's group is the EP (CP) group: its gathers and reductions are FSDP's, which
-    # estimate.py overlaps with the compute; the all-to-alls are EP's (Ulysses'), exposed. At tp 2 x ep 2 the EP
-    # group is the TP pair: the gathers are TP's, the all-to-alls EP's.
-    layout = Layout(2, **cfg)
-    assert layout.members(same, 0) == layout.members(other, 0) == [0, 1]
-    assert [role_of(layout, (0, 1), 0, kind) for kind in ("all_gather", "reduce_scatter", "all_to_all")] == \
-        [same, same, other]
+@pytest.mark.parametrize("world, cfg, names", [
+    (2, dict(ep=2), {"all_gather": "fsdp", "reduce_scatter": "fsdp", "all_to_all": "ep"}),
+    (2, dict(cp=2), {"all_gather": "fsdp", "reduce_scatter": "fsdp", "all_to_all": "cp"}),
+    (2, dict(ep=2, tp=2), {"all_gather": "tp", "reduce_scatter": "tp", "all_to_all": "ep"}),
+    (4, dict(dp_replicate=2, cp=2, ep=2), {"all_gather": "fsdp", "reduce_scatter": "fsdp", "all_to_all": "cp"}),
+])
+def test_collectives_are_named_by_the_role_that_issues_them_where_groups_share_ranks(world, cfg, names):
+    # Rank 0's group [0, 1] is the EP (CP, TP) group and FSDP's (its shard ranks under HSDP) alike. The gathers and
+    # reductions are FSDP's, which estimate.py overlaps with the compute, or TP's; the all-to-alls EP's or
+    # Ulysses'. Under HSDP the all-reduce between the replicas [0, 2] is FSDP's too, named by its dimension.
+    layout = Layout(world, **cfg)
+    assert {kind: role_of(layout, (0, 1), 0, kind) for kind in names} == names
+    if layout.dp_replicate > 1:
+        assert role_of(layout, (0, 2), 0, "all_reduce") == "dp_replicate"
 
 
 def test_the_dry_run_at_one_rank_is_the_real_step():
