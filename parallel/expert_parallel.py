@@ -1,11 +1,12 @@
 """Expert parallelism (``parallel.ep``): each rank holds n_experts / ep routed experts, and tokens travel to them.
 
 The ep ranks of an EP group are data-parallel ranks (EP borrows the FSDP shard dimension, as
-torchtitan does), with the CP, then also the TP ranks where those are too few (Layout.ep_takes; docs/cluster.md): each routes its own tokens, then one all-to-all with uneven
-splits sends every (token, expert) row to the rank holding that expert, the experts run on what
-arrived, and a second all-to-all brings the results back in the sender's order
-(``all_to_all_single``, the collective Ulysses uses, so gloo runs it too). The router, the shared
-experts and the rest of the block stay data-parallel. Exact: each row meets the same weights as
+torchtitan does), with the CP, then also the TP ranks where those are too few (Layout.ep_takes;
+docs/cluster.md): each routes its own tokens, then one all-to-all with uneven splits sends every
+(token, expert) row to the rank holding that expert, the experts run on what arrived, and a
+second all-to-all brings the results back in the sender's order (``all_to_all_single``, the
+collective Ulysses uses, so gloo runs it too). The router, the shared experts and the rest of the
+block stay data-parallel. Exact: each row meets the same weights as
 on one process; only the order of rows inside an expert's group differs.
 
 The experts' 3-D parameters become DTensors Shard(0) on the "ep" mesh (whole experts per rank),
@@ -13,7 +14,8 @@ and FSDP2 then shards each on its dim 1 over the ranks that hold the same expert
 ("dp_mod_ep", with "dp_replicate" under HSDP), so DCP saves them under their full names and
 shapes: a checkpoint loads at any ep. Their gradient sums the contributions of every rank's
 tokens, and FSDP averages it over dp / ep ranks only, so the backward scales it by 1 / ep: the
-mean over all data-parallel ranks, as every other parameter's.
+mean over all data-parallel ranks, as every other parameter's (tp / ep where EP takes in the TP
+ranks: apply_expert_parallel).
 """
 from __future__ import annotations
 
