@@ -65,13 +65,15 @@ def cpu_notice(recipe: str, device: torch.device) -> str:
 
     A CPU has no float8 matmul units: torchao's modules run through torch._scaled_mm's CPU
     kernel, which computes the float8 rounding (the numerics the tests check) but gains no
-    speed; the debug run measured about 0.6x the tokens/s of the same run with float8 off.
+    speed: the debug run measured about 0.6x the tokens/s of the same run with float8 off on an
+    AVX2 CPU, and under 0.01x (20 against 2,500 tokens/s) on one with AVX-512 and AMX, where torch
+    2.13's kernel takes a slow path (tests/test_float8.py times it).
     """
     if recipe == "off" or device.type != "cpu":
         return ""
     return (f"[train] notice: train.float8 {recipe} on a CPU only emulates the float8 matmuls (float8 numerics, "
-            f"no speed-up: about 0.6x the speed of --train.float8 off); its speed needs a GPU of compute "
-            f"capability 8.9 or newer")
+            f"no speed-up: 0.6x the speed of --train.float8 off on some CPUs, under 0.01x on others); its speed "
+            f"needs a GPU of compute capability 8.9 or newer")
 
 
 class _DropMessages(logging.Filter):
