@@ -333,13 +333,12 @@ class Layout:
             shard_cp = flat(shard_dims + ("cp",), "dp_shard_cp")
             fsdp = mesh[rep + ("dp_shard_cp",)] if rep else shard_cp
             loss = flat(rep + shard_dims + ("cp",), "dp_cp") if rep else shard_cp
-        experts_fsdp, ep = None, sub("ep")
-        if self.ep_takes:  # the EP group is dp_in_ep x the dimensions taken in, one flat dimension for the all-to-all
-            ep = flat(self.role_dims("ep"), "ep")
-        if "cp" in self.ep_takes or self.ep_takes == ("tp",):
-            experts_fsdp = mesh[rep + ("dp_mod_ep",)] if rep else mesh["dp_mod_ep"]
-        elif self.ep > 1:  # dp_mod_ep with the CP ranks joined, as the shard dimension is for the other parameters
-            inner, inner_name = (flat(("dp_mod_ep", "cp"), "dp_mod_ep_cp"), "dp_mod_ep_cp") if self.cp > 1 else (
+        # Where EP takes in other dimensions, its group is dp_in_ep x those, one flat dimension for the all-to-all.
+        ep = flat(self.role_dims("ep"), "ep") if self.ep_takes else sub("ep")
+        experts_fsdp = None
+        if self.ep > 1:  # dp_mod_ep, with the CP ranks joined unless EP takes them, as the shard dimension has them
+            joined = self.cp > 1 and "cp" not in self.ep_takes
+            inner, inner_name = (flat(("dp_mod_ep", "cp"), "dp_mod_ep_cp"), "dp_mod_ep_cp") if joined else (
                 mesh["dp_mod_ep"], "dp_mod_ep")
             experts_fsdp = mesh[rep + (inner_name,)] if rep else inner
         same = self.role_dims("same_params")
