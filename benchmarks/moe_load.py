@@ -31,7 +31,7 @@ from data import PackedCorpus  # noqa: E402
 from evaluate import eval_config, load_model, prepared_data, split_windows  # noqa: E402
 from nn.moe import moe_layers  # noqa: E402
 from parallel import distributed  # noqa: E402
-from parallel.layout import Layout  # noqa: E402
+from parallel.layout import build_mesh  # noqa: E402
 
 
 def load_table(run_dir: str, checkpoint: str = "", windows: int = 4096, micro_batch_size: int = 16) -> list[dict]:
@@ -46,7 +46,7 @@ def load_table(run_dir: str, checkpoint: str = "", windows: int = 4096, micro_ba
         corpus = PackedCorpus(prepared_data(cfg, run_cfg, run_dir, tokenizer), cfg.data)
         pairs = split_windows(corpus, "train")
         random.Random(0).shuffle(pairs)
-        model = load_model(cfg, path, Layout(world).build(device), device)
+        model = load_model(cfg, path, build_mesh(device, world), device)
         layers = moe_layers(model)
         per_batch = [[] for _ in layers]
         pooled = torch.zeros(len(layers), cfg.model.n_experts, dtype=torch.int64)
