@@ -125,13 +125,16 @@ def reference(tmp_path_factory):
     return made_once(tmp_path_factory, "reference", make)
 
 
-LONGEST_FIRST = ["test_bad_input.py", "test_checkpoint.py", "test_2d.py", "test_rollback.py", "test_hf.py",
-                 "test_float8.py", "test_moe.py", "test_mixture.py", "test_pipeline.py", "test_downstream.py",
-                 "test_context_parallel.py", "test_restart.py", "test_objectstore.py", "test_observability.py",
-                 "test_data.py", "test_recipe.py", "test_ladder.py", "test_muon.py", "test_multinode.py",
-                 "test_cli_input.py", "test_optim.py", "test_train.py"]
-"""The test files that take longest (half a minute or more on 2 busy cores, measured with the whole suite), longest
-first: the workers take them first and end on the quick files, together."""
+LONGEST_FIRST = ["test_checkpoint.py", "test_plan.py", "test_bad_input.py", "test_2d.py", "test_restart.py",
+                 "test_pipeline.py", "test_context_parallel.py", "test_pretokenized.py", "test_moe.py",
+                 "test_downstream.py", "test_mixture.py", "test_hf.py", "test_rollback.py", "test_recipe.py",
+                 "test_objectstore.py", "test_multinode.py", "test_observability.py", "test_train.py",
+                 "test_ladder.py", "test_data.py", "test_muon.py", "test_pretok_s3.py", "test_prepare_ranks.py",
+                 "test_float8.py"]
+"""The test files that take longest (half a minute or more of a worker's time on 2 busy cores, measured per file
+with the whole suite on 2026-12-06), longest first: the workers take them first and end on the quick files,
+together. A file missing here goes after them, before the files without slow tests; when it was test_plan.py, it
+started 558 s into a 713 s run and ran on alone at the end."""
 
 
 def pytest_configure(config):
@@ -146,7 +149,8 @@ def pytest_collection_modifyitems(items):
     """Hand the longest files to the workers first (pytest-xdist --dist loadfile deals files out in collection
     order), so that no worker is left alone with a long file at the end. Within a file the order stays."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    slow = {item.path.name for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank) + (item.path.name not in slow)))
 
 
 QUICK_LIMIT_S = float(os.environ.get("QUICK_TEST_LIMIT_S", "3"))

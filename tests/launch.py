@@ -26,9 +26,10 @@ GRAD_STEPS = 3
 REFERENCE_BATCH = ["--train.global_batch_size", "8"]
 """The reference run's batch: half the debug config's, which halves each step's time; kill and resume need no more."""
 GRAD_ARGS = ["--train.steps", str(GRAD_STEPS), "--checkpoint.interval", "1000", "--train.val_interval", "0",
-             *REFERENCE_BATCH]
-"""The `worker` fixture's runs (and the runs compared with them): GRAD_STEPS steps of REFERENCE_BATCH, no saves or
-validation; a layout's overrides come after, so they can set another batch."""
+             *REFERENCE_BATCH, "--data.seq_len", "64"]
+"""The `worker` fixture's runs (and the runs compared with them): GRAD_STEPS steps of REFERENCE_BATCH windows of 64
+tokens (half the debug config's: the layouts' parity needs no longer ones, and the suite runs a hundred of them), no
+saves or validation; a layout's overrides come after, so they can set another batch."""
 REFERENCE_ARGS = ["--train.steps", "10", "--train.seed", "0", "--checkpoint.interval", "2", "--train.val_interval", "0",
                   *REFERENCE_BATCH]
 """Overrides of the conftest `reference` run (2 ranks), which kill and resume tests repeat."""

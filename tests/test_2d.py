@@ -65,7 +65,7 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-CHUNKED = ("--train.loss_chunk_size", "100")  # 4 x 128 tokens a micro-batch: 6 chunks, the last one short
+CHUNKED = ("--train.loss_chunk_size", "100")  # 4 x 64 tokens a micro-batch: 3 chunks, the last one short
 DOCMASK = ("--model.document_mask", "true")
 HSDP = ("--parallel.dp_replicate", "2")
 Z_LOSS = ("--train.z_loss", "0.01")  # 100x PaLM's, so that the term moves the gradients measurably

@@ -505,17 +505,18 @@ def test_hf_export_of_an_moe_run_computes_our_logits_in_transformers(moe_run, tm
 
 MUON = ["--optim.name", "muon"]
 MOE_LOSSES = [*MOE, "--model.expert_ffn_dim", "96", "--model.n_shared_experts", "1", "--model.moe_aux_loss", "0.01",
-              "--model.moe_router_z_loss", "0.001", "--model.moe_bias_update_rate", "0.01"]
+              "--model.moe_router_z_loss", "0.001", "--model.moe_bias_update_rate", "0.01", "--data.seq_len", "128"]
+"""The layouts' MoE, on the debug config's windows of 128 tokens: at the `worker`'s 64, cp 2 x ep 2's output.weight
+gradient left the bounds below while its losses and norms stayed within 1e-5, as a routing near-tie leaves them
+(docs/moe.md)."""
 
 
 EP2 = ["--parallel.ep", "2"]
 MOE_LAYOUTS = {
     "fsdp2": (2, 1, [], []),
-    "muon": (2, 1, MUON, MUON),
     "ep2": (2, 1, [], EP2),
     "ep2-ac-full": (2, 1, [], [*EP2, "--train.activation_checkpointing", "full"]),
     "ep2-ac-selective": (2, 1, [], [*EP2, "--train.activation_checkpointing", "selective"]),
-    "cp2": (2, 1, [], ["--parallel.cp", "2"]),
     "fsdp4-ep2-muon": (4, 1, MUON, [*MUON, *EP2]),
     "hsdp2-ep2": (4, 1, [], [*EP2, "--parallel.dp_replicate", "2"]),
     "ep2-tp2": (4, 2, [], EP2),
@@ -523,17 +524,16 @@ MOE_LAYOUTS = {
     "cp2-ep2": (2, 1, [], [*EP2, "--parallel.cp", "2"]),
     "tp2-ep2": (2, 2, [], EP2),
 }
-"""id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2 plain, with Muon; expert parallelism
-over 2 ranks, with each activation checkpointing (none, full, selective: the experts' own fully_shard group runs its
-hooks inside the recomputed block); context parallelism (each rank routes its own share of the sequence,
-parallel/moe_sequence.py); and experts both split over EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon;
-HSDP with EP inside a replica; EP with TP (train_2d.py's plan; the router and experts replicated over TP, their
-gradients summed over it) and with CP (each EP rank sends its own share of the sequence); EP over the CP ranks and
-over the TP ranks (2 ranks: one data-parallel rank, too few for EP, which takes in the others; the size check refused
-both before). FSDP 2 with full recompute and dp 1 x tp 2 without EP left the suite for its time when these two came
-(ep2-ac-full and ep2-tp2 run what they ran, with EP; accept.py moe runs dp 1 x tp 2). CP with TP (the balance loss summed over both groups) is left to
-a manual run, to keep the suite in its time: 4 ranks, --parallel.cp 2 --parallel.tp 2 --model.n_kv_heads 4, equal to
-one process to 1.2e-7 (issue 54's note)."""
+"""id: (ranks, tp, 1-rank flags, the layout's flags) beside MOE_LAYOUTS: FSDP 2; expert parallelism over 2 ranks,
+with each activation checkpointing (none, full, selective: the experts' own fully_shard group runs its hooks inside
+the recomputed block); experts both split over EP and FSDP-sharded (4 ranks: 2 hold each expert), under Muon; HSDP
+with EP inside a replica; EP with TP (train_2d.py's plan; the router and experts replicated over TP, their gradients
+summed over it) and with CP (each EP rank sends its own share of the sequence, parallel/moe_sequence.py); EP over the
+CP ranks and over the TP ranks (2 ranks: one data-parallel rank, too few for EP, which takes in the others).
+Left out for the suite's time, as their paths run here in a layout with EP: FSDP 2 with full recompute (ep2-ac-full),
+dp 1 x tp 2 (ep2-tp2), cp 2 (ep2-cp2), Muon at FSDP 2 (fsdp4-ep2-muon); accept.py moe runs dp 1 x tp 2 and cp 2.
+CP with TP (the balance loss summed over both groups) is left to a manual run: 4 ranks, --parallel.cp 2
+--parallel.tp 2 --model.n_kv_heads 4, equal to one process to 1.2e-7 (issue 54's note)."""
 
 
 @pytest.mark.slow
