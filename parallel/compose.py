@@ -38,8 +38,7 @@ def check_moe(cfg, world_size: int = 0) -> None:
     if m.n_experts % p.ep:
         inner = p.dp_replicate * p.cp * p.tp * p.pp
         shard = p.data_parallel(world_size) // p.dp_replicate if world_size and world_size % inner == 0 else 0
-        fits = [d for d in range(1, m.n_experts + 1)
-                if m.n_experts % d == 0 and (not shard or d in ep_sizes(shard, p.cp, p.tp))]
+        fits = ep_sizes(shard, p.cp, p.tp, m.n_experts)
         raise SetupError(f"parallel.ep ({p.ep}) does not divide model.n_experts ({m.n_experts}): each EP rank holds "
                          f"whole experts, as many as the others; use parallel.ep in {fits}")
 

@@ -106,11 +106,16 @@ def ep_takes_options(cp: int = 1, tp: int = 1) -> list[tuple[tuple[str, ...], in
     return out
 
 
-def ep_sizes(shard: int, cp: int = 1, tp: int = 1) -> list[int]:
+def ep_sizes(shard: int, cp: int = 1, tp: int = 1, n_experts: int = 0) -> list[int]:
     """The parallel.ep values that fit shard data-parallel shard ranks (Layout.dp_shard) at parallel.cp cp and
-    parallel.tp tp, ascending: the divisors of shard, and their multiples by cp, cp x tp (ep_takes_options)."""
-    divisors = [d for d in range(1, shard + 1) if shard % d == 0]
-    return sorted({d * m for d in divisors for _, m in ep_takes_options(cp, tp)})
+    parallel.tp tp, ascending: the divisors of shard, and their multiples by cp, cp x tp (ep_takes_options), that
+    also divide n_experts. shard 0 (unknown): every divisor of n_experts; n_experts 0 (dense): no such limit."""
+    if shard:
+        divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+        sizes = sorted({d * m for d in divisors for _, m in ep_takes_options(cp, tp)})
+    else:
+        sizes = range(1, n_experts + 1)
+    return [d for d in sizes if not n_experts or n_experts % d == 0]
 
 
 ROLES = ("data", "loss", "fsdp", "experts_fsdp", "ep", "cp", "tp", "pp", "same_params")
@@ -279,7 +284,7 @@ class Layout:
                              f"size {world} / {div}); {fix} or launch a multiple of {rep * inner} processes")
         shard = dp // rep
         if shard % self.ep_shard:
-            fits = [d for d in ep_sizes(shard, cp, tp) if not n_experts or n_experts % d == 0]
+            fits = ep_sizes(shard, cp, tp, n_experts)
             times = " or ".join(f"{' x '.join(f'parallel.{d}' for d in dims)} ({m})"
                                 for dims, m in ep_takes_options(cp, tp)[1:])
             nor = f", nor is it {times} times a divisor of them (EP then takes in those ranks)" if times else ""
