@@ -33,9 +33,9 @@ from launch import (  # noqa: E402
     made_once,
     prepared_data_dir,
     shared_root,
-    torchrun,
 )
 from parallel.float8 import quiet_torchao_logs  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 from s3server import start_server  # noqa: E402
 
 quiet_torchao_logs()  # tests import transformers, whose LlamaForCausalLM imports torchao
@@ -46,9 +46,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 class GradRuns:
     """grads(nproc, tp, *overrides): tests/grad_worker.py's result over launch.GRAD_ARGS, each run once per test run.
 
-    prefetch(keys) runs every missing (nproc, tp, *overrides) of keys with one torchrun launch per
-    world size (grad_worker.py --jobs): a module that compares many layouts pays torchrun's and
-    its workers' start-up once per world size instead of once per layout. The xdist workers share the
+    prefetch(keys) runs every missing (nproc, tp, *overrides) of keys with one launch per world size
+    (grad_worker.py --jobs, its ranks forked by tests/ranks.py): a module that compares many layouts pays its
+    workers' start-up once per world size instead of once per layout. The xdist workers share the
     results (a file per key in a shared directory): a key is claimed by the first worker that needs it, and
     another worker needing it waits for that file instead of running it again (test_2d.py's 1-process
     references serve test_float8.py and test_multinode.py too).
@@ -104,7 +104,7 @@ class GradRuns:
                              *GRAD_ARGS, *overrides])
             with open(root / "jobs.json", "w") as f:
                 json.dump(jobs, f)
-            torchrun(nproc, "tests/grad_worker.py", "--jobs", str(root / "jobs.json"), timeout=180 + 60 * len(batch))
+            run_ranks(nproc, "grad_worker", "--jobs", str(root / "jobs.json"), timeout=180 + 60 * len(batch))
             for key, job in zip(batch, jobs):
                 os.replace(job[1], self._file(key))  # whole or absent: the waiters poll for it
 
@@ -125,16 +125,15 @@ def reference(tmp_path_factory):
     return made_once(tmp_path_factory, "reference", make)
 
 
-LONGEST_FIRST = ["test_checkpoint.py", "test_plan.py", "test_bad_input.py", "test_2d.py", "test_restart.py",
-                 "test_pipeline.py", "test_context_parallel.py", "test_pretokenized.py", "test_moe.py",
-                 "test_downstream.py", "test_mixture.py", "test_hf.py", "test_rollback.py", "test_recipe.py",
-                 "test_objectstore.py", "test_multinode.py", "test_observability.py", "test_train.py",
-                 "test_ladder.py", "test_data.py", "test_muon.py", "test_pretok_s3.py", "test_prepare_ranks.py",
-                 "test_float8.py"]
+LONGEST_FIRST = ["test_checkpoint.py", "test_restart.py", "test_plan.py", "test_pretokenized.py", "test_bad_input.py",
+                 "test_2d.py", "test_downstream.py", "test_rollback.py", "test_mixture.py", "test_context_parallel.py",
+                 "test_objectstore.py", "test_recipe.py", "test_hf.py", "test_pipeline.py", "test_moe.py",
+                 "test_observability.py", "test_train.py", "test_ladder.py", "test_pretok_s3.py", "test_multinode.py",
+                 "test_data.py", "test_prepare_ranks.py", "test_muon.py", "test_float8.py"]
 """The test files that take longest (half a minute or more of a worker's time on 2 busy cores, measured per file
-with the whole suite on 2026-12-06), longest first: the workers take them first and end on the quick files,
-together. A file missing here goes after them, before the files without slow tests; when it was test_plan.py, it
-started 558 s into a 713 s run and ran on alone at the end."""
+with the whole suite on 2026-12-06, the parity workers' ranks forked by tests/ranks.py), longest first: the workers
+take them first and end on the quick files, together. A file missing here goes after them, before the files without
+slow tests; when it was test_plan.py, it started 558 s into a 713 s run and ran on alone at the end."""
 
 
 def pytest_configure(config):

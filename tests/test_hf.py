@@ -31,6 +31,7 @@ from launch import (
 )
 from model import PRESETS, ModelArgs, Transformer
 from models import random_model
+from ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -381,13 +382,13 @@ def test_checkpoint_export_and_sharded_export_match_our_model(tmp_path_factory, 
 @pytest.mark.slow
 def test_import_into_a_sharded_training_session(tmp_path_factory, tmp_path):
     """The init_from_hf wiring: build the FSDP session, load_hf_into with copy_sharded, train from it. The trainer
-    started from the export at pp 2 and at pp 2 x tp 2 (train_2d.py), each stage loading its own part, takes its
-    first step from the loss transformers computes on that batch."""
+    started from the export at pp 2 x tp 2 (train_2d.py), each stage loading its own TP shards of its own layers,
+    takes its first step from the loss transformers computes on that batch."""
     folder = exported_dir(tmp_path_factory)
     prepared_data_dir(tmp_path / "run")
     out = tmp_path / "worker.pt"
-    torchrun(2, "tests/hf_import_worker.py", "--hf", folder, "--out", str(out), "--config", DEBUG,
-             "--run_dir", str(tmp_path / "run"), timeout=180)
+    run_ranks(2, "hf_import_worker", "--hf", folder, "--out", str(out), "--config", DEBUG, "--run_dir",
+              str(tmp_path / "run"), timeout=180)
     res = torch.load(out)
     assert res["max_diff"] == 0.0
     assert res["inputs"].shape == (_debug_cfg().train.global_batch_size, _debug_cfg().data.seq_len)
@@ -396,12 +397,11 @@ def test_import_into_a_sharded_training_session(tmp_path_factory, tmp_path):
     loss = F.cross_entropy(logits.flatten(0, 1), res["labels"].flatten()).item()
     assert abs(res["loss"] - loss) < 1e-5
     # The trainer's step 1 runs the same first global batch (same seed and corpus) through the pipeline.
-    for n, script, more in ((2, "train_fsdp.py", []), (4, "train_2d.py", ["--parallel.tp", "2"])):
-        rd = tmp_path / f"pp2-{n}-ranks"
-        prepared_data_dir(rd)
-        debug_run(n, rd, "--parallel.pp", "2", *more, "--init_from_hf", folder, "--train.steps", "1",
-                  "--train.val_interval", "0", "--checkpoint.interval", "1000", script=script, timeout=300)
-        assert losses(rd)[1] == pytest.approx(loss, rel=1e-5, abs=0), script
+    rd = tmp_path / "pp2-tp2"
+    prepared_data_dir(rd)
+    debug_run(4, rd, "--parallel.pp", "2", "--parallel.tp", "2", "--init_from_hf", folder, "--train.steps", "1",
+              "--train.val_interval", "0", "--checkpoint.interval", "1000", script="train_2d.py", timeout=300)
+    assert losses(rd)[1] == pytest.approx(loss, rel=1e-5, abs=0)
 
 
 # Softmax routing that Mixtral computes: no balancing bias (the remedy hf.py prints: --model.moe_bias_update_rate 0),

@@ -57,10 +57,10 @@ def test_bad_slurm_script_arguments_are_one_line_and_touch_nothing(tmp_path, arg
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script, overrides, one_agent", [
-    # HSDP: a replica per node
-    ("train_fsdp.py", ("--parallel.dp_replicate", "2"), (4, 1, "--parallel.dp_replicate", "2")),
-    ("train_2d.py", ("--parallel.tp", "2"), (4, 2)),  # a TP group per node, FSDP across
-], ids=["hsdp_2nodes", "2d_2nodes"])
+    # A replica per node (HSDP's all-reduce crosses the nodes) and a TP group inside each node: both kinds of group
+    # that a node boundary splits or keeps whole, in one launch (test_2d.py's hsdp2x1xtp2 key is the one agent's run).
+    ("train_2d.py", ("--parallel.dp_replicate", "2", "--parallel.tp", "2"), (4, 2, "--parallel.dp_replicate", "2")),
+], ids=["hsdp_x_tp_2nodes"])
 def test_two_agents_as_two_nodes_train_the_same_run_as_one(tmp_path, worker, script, overrides, one_agent):
     rd = tmp_path / "run"
     prepared_data_dir(rd)

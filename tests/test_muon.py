@@ -20,6 +20,7 @@ from nn.roles import roles
 from optimization import muon
 from optimization.muon import is_muon_matrix
 from optimization.optimizers import lr_factor
+from ranks import run_ranks
 
 RTOL = 1e-5
 KELLER_JORDAN = (3.4445, -4.7750, 2.0315)
@@ -136,7 +137,7 @@ def muon_results(tmp_path_factory) -> dict:
                               "--run_dir", str(root / name), *extra]
         with open(root / "jobs.json", "w") as f:
             json.dump(list(jobs.values()), f)
-        torchrun(nproc, "tests/muon_worker.py", "--jobs", str(root / "jobs.json"), timeout=300)
+        run_ranks(nproc, "muon_worker", "--jobs", str(root / "jobs.json"), timeout=300)
         results.update({name: torch.load(argv[1]) for name, argv in jobs.items()})
     return results
 

@@ -10,7 +10,7 @@ import torch
 from config import compute_dtype, parse_config
 from core import cli
 from core.errors import ConfigError
-from launch import DEBUG, ROOT, debug_run, metrics, prepared_data_dir, torchrun
+from launch import DEBUG, ROOT, debug_run, debug_run_in_process, metrics, prepared_data_dir, torchrun
 from observability import profiling
 from observability.metrics import MetricsLog
 from observability.progress import Progress
@@ -144,10 +144,10 @@ def test_resume_keeps_metrics_tensorboard_and_wandb_one_record_per_step_and_logs
 
 
 @pytest.mark.slow
-def test_profile_steps_write_a_chrome_trace(tmp_path):
+def test_profile_steps_write_a_chrome_trace(tmp_path, monkeypatch, capsys):
     rd = tmp_path / "run"
     prepared_data_dir(rd)
-    out = debug_run(1, rd, "--train.steps", "3", "--train.profile_steps", "2-3", *FAST)
+    out = debug_run_in_process(monkeypatch, capsys, rd, "--train.steps", "3", "--train.profile_steps", "2-3", *FAST)
     trace = rd / "profile" / "trace_steps_2-3.json"
     assert f"[profile] steps 2-3: {trace}" in out.stdout
     with open(trace) as f:

@@ -31,7 +31,9 @@ from launch import (
     spawn,
     torchrun,
     torchrun_command,
+    train_in_process,
     wait_for_step,
+    wait_until_unlocked,
 )
 from model import ModelArgs
 from pretok_writers import write_datatrove, write_megatron, write_numpy
@@ -419,7 +421,7 @@ def test_raw_text_and_the_same_tokens_as_megatron_and_datatrove_train_alike(tmp_
 
 
 @pytest.mark.slow
-def test_a_llama3_shaped_tokenizer_trains_generates_and_exports(tmp_path, capsys):
+def test_a_llama3_shaped_tokenizer_trains_generates_and_exports(tmp_path, capsys, monkeypatch):
     """<|begin_of_text|> before and <|end_of_text|> after each document, document_mask on its EOS id; generation
     starts from its BOS; the export names them and transformers' tokenizer gives the same ids."""
     transformers = pytest.importorskip("transformers")
@@ -427,9 +429,9 @@ def test_a_llama3_shaped_tokenizer_trains_generates_and_exports(tmp_path, capsys
     import hf
     path = llama3_like_tokenizer(str(tmp_path / "tok"))
     rd = tmp_path / "run"
-    torchrun(1, "train_fsdp.py", *_run_args(rd, "--data.tokenizer", path, "--data.bos_token", "<|begin_of_text|>",
-                                            "--model.document_mask", "true", "--model.eot_id", "1",
-                                            "--data.max_documents", "60"))
+    train_in_process(monkeypatch, capsys, *_run_args(rd, "--data.tokenizer", path, "--data.bos_token",
+                                                     "<|begin_of_text|>", "--model.document_mask", "true",
+                                                     "--model.eot_id", "1", "--data.max_documents", "60"))
     assert len([r for r in metrics(rd) if "loss" in r]) == 3
     assert generate.main(["--run_dir", str(rd), "--prompt", "def f(", "--max_new_tokens", "4"]) == 0
     assert hf.main(["export", "--run_dir", str(rd), "--out", str(tmp_path / "hf")]) == 0
@@ -443,8 +445,9 @@ def test_a_llama3_shaped_tokenizer_trains_generates_and_exports(tmp_path, capsys
     assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text, add_special_tokens=False).ids
     # Continued pretraining from that Hugging Face folder: its tokenizer (no [EOT]) is the run's, its EOS the separator
     cont = tmp_path / "continued"
-    torchrun(1, "train_fsdp.py", *_run_args(cont, "--init_from_hf", tmp_path / "hf", "--model.document_mask", "true",
-                                            "--model.eot_id", "1", "--data.max_documents", "60", "--train.steps", "1"))
+    train_in_process(monkeypatch, capsys, *_run_args(cont, "--init_from_hf", tmp_path / "hf", "--model.document_mask",
+                                                     "true", "--model.eot_id", "1", "--data.max_documents", "60",
+                                                     "--train.steps", "1"))
     assert len([r for r in metrics(cont) if "loss" in r]) == 1
 
 
@@ -478,7 +481,7 @@ def test_a_changed_corpus_is_refused_before_any_collective(raw_corpus, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_mixture_with_a_megatron_source_sigkilled_resumes_at_another_world_size(tmp_path):
+def test_a_mixture_with_a_megatron_source_sigkilled_resumes_at_another_world_size(tmp_path, monkeypatch, capsys):
     """Raw text and Megatron sources with a stage from step 3: a run on 2 ranks SIGKILLed (every process, as a node
     failure) once step 3 is logged, resumed from its checkpoint of step 2 on 1 rank across the stage change to step
     4, gives the uninterrupted 2-rank run's losses (up to the reduction order), one record per step."""
@@ -512,7 +515,8 @@ weights = {{ meg = 0.8, text = 0.2 }}
     wait_for_step(killed, 3, p)
     kill_tree(p.pid)
     assert p.wait(timeout=60) != 0, "the run finished before it was killed"
-    resumed = torchrun(1, "train_fsdp.py", *common, "--run_dir", killed).stdout
+    wait_until_unlocked(killed)
+    resumed = train_in_process(monkeypatch, capsys, *common, "--run_dir", killed).stdout
     assert "resumed from" in resumed and "at step 2" in resumed, resumed[-2000:]
     whole, got = losses(tmp_path / "whole"), losses(killed)
     assert [r["step"] for r in metrics(killed) if "loss" in r] == list(range(1, 5))
