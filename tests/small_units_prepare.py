@@ -1,4 +1,7 @@
-"""prepare.py's command with filesplit.UNIT_BYTES set by --unit_bytes N (first), so a small file has many units."""
+"""prepare.py's command with filesplit.UNIT_BYTES set by --unit_bytes N (first), so a small file has many units.
+
+    python tests/small_units_prepare.py --unit_bytes N <prepare.py's arguments>   # on ranks: ranks.run_ranks
+"""
 import os
 import sys
 
@@ -8,7 +11,17 @@ import prepare  # noqa: E402
 from core.cli import exit_command  # noqa: E402
 from data_pipeline import filesplit  # noqa: E402
 
-if __name__ == "__main__":
+
+def main() -> int:
+    """prepare.main of sys.argv[3:] with filesplit.UNIT_BYTES = int(sys.argv[2]); returns its exit status, and raises
+    SystemExit with it when it is not 0 (a forked rank's only exit status: tests/ranks.py)."""
     assert sys.argv[1] == "--unit_bytes", "usage: small_units_prepare.py --unit_bytes N prepare-arguments..."
     filesplit.UNIT_BYTES = int(sys.argv[2])
-    exit_command(prepare.main(sys.argv[3:]))
+    status = prepare.main(sys.argv[3:])
+    if status:
+        raise SystemExit(status)
+    return status
+
+
+if __name__ == "__main__":
+    exit_command(main())

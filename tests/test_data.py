@@ -430,7 +430,8 @@ def test_one_file_is_tokenized_by_every_rank_into_the_stream_of_its_one_unit_rea
 
 @pytest.mark.slow
 def test_one_big_file_under_torchrun_equals_one_process_and_its_one_unit_reading(tmp_path, monkeypatch):
-    from launch import DEBUG, torchrun
+    from launch import DEBUG
+    from ranks import run_ranks
 
     rows = _mixed_rows(2000)
     texts = [r["text"] for r in rows if r.get("text")]
@@ -450,7 +451,7 @@ def test_one_big_file_under_torchrun_equals_one_process_and_its_one_unit_reading
                     m.setattr(filesplit, "UNIT_BYTES", 20000)
                     assert prepare.main(args) == 0
             else:
-                torchrun(nproc, "tests/small_units_prepare.py", "--unit_bytes", "20000", *args, timeout=240)
+                run_ranks(nproc, "small_units_prepare", "--unit_bytes", "20000", *args, timeout=240)
             assert data.read_meta(str(rd / "data"))["sources"]["default"]["work_units"] >= 4
             streams.append(open(source_file(rd / "data"), "rb").read())
         assert streams[0] == streams[1] == reference.getvalue(), kind

@@ -1,4 +1,4 @@
-"""prepare.py under torchrun writes the same bytes at 1, 2 and 4 ranks: every file of the data folder (tokenizer,
+"""prepare.py's command writes the same bytes at 1, 2 and 4 ranks (forked: tests/ranks.py): every file of the data folder (tokenizer,
 meta.json, each source's stream and, with --data.prepared_format megatron, its .idx), for a mixture of a jsonl and a
 txt source cut into many work units, so that every rank tokenizes some of them. (tests/test_data.py compares the
 stream alone, at 3 ranks in threads and at 2 under torchrun.)"""
@@ -12,7 +12,7 @@ import pytest
 
 import prepare
 from data_pipeline import filesplit
-from launch import torchrun
+from ranks import run_ranks
 from test_data import _lines_text, _mixed_rows, _write_jsonl
 
 UNIT_BYTES = 20000
@@ -63,14 +63,14 @@ def test_prepare_writes_the_same_bytes_at_1_2_and_4_ranks(tmp_path, monkeypatch)
     run = tmp_path / "run"
     outs = {}
     monkeypatch.setattr(filesplit, "UNIT_BYTES", UNIT_BYTES)
-    # a megatron preparation is a bin one plus rank 0's .idx files (compared below), so each torchrun launch (about
+    # a megatron preparation is a bin one plus rank 0's .idx files (compared below), so each launch (about
     # 20 s on 2 busy cores) covers one format: 2 ranks bin, 4 ranks megatron
     for world, fmt in ((1, "bin"), (1, "megatron"), (2, "bin"), (4, "megatron")):
         args = ["--config", config, "--run_dir", str(run), "--data.prepared_format", fmt]
         if world == 1:
             assert prepare.main(args) == 0
         else:
-            torchrun(world, "tests/small_units_prepare.py", "--unit_bytes", str(UNIT_BYTES), *args, timeout=120)
+            run_ranks(world, "small_units_prepare", "--unit_bytes", str(UNIT_BYTES), *args, timeout=120)
         outs[world, fmt] = tmp_path / f"data_{world}_{fmt}"
         os.rename(run / "data", outs[world, fmt])
         shutil.rmtree(run)
