@@ -37,8 +37,10 @@ def run_ranks(nproc: int, module: str, *args: str, timeout: float = 300) -> None
     ctx = multiprocessing.get_context("forkserver")
     _start_server()
     port, logs = distributed.free_port(), tempfile.mkdtemp(prefix=f"{module}-ranks-")
+    # not daemonic: a rank may start processes of its own (inductor's compile workers, DCP's async saver); the finally
+    # below kills what is left
     procs = [ctx.Process(target=_rank, args=(module, [str(a) for a in args], rank, nproc, port,
-                                             os.path.join(logs, f"rank{rank}.log")), daemon=True)
+                                             os.path.join(logs, f"rank{rank}.log")))
              for rank in range(nproc)]
     for p in procs:
         p.start()
