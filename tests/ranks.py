@@ -4,9 +4,9 @@ small_units_prepare.py) on N ranks, each rank a process forked from a server tha
 A torchrun launch of 2 ranks costs about 6 CPU-s before its first step (its agent and each rank import torch: 1.3 and
 2.2 CPU-s on this machine), and the suite runs these workers on about 50 ranks in 20 launches. These workers are the
 tests' instruments, not the product: the product's scripts still run under torchrun as a user runs them
-(launch.torchrun; prepare.py's own launch in test_data.py). So each xdist worker starts one multiprocessing forkserver that imports the workers' modules, and every rank is a fork
-of it: the same gloo process group from the same environment variables torchrun sets (env:// on a free port), with
-none of the start-up. A rank's stdout and stderr go to a file, whose tail a failure shows.
+(launch.torchrun; prepare.py's own launch in test_data.py). So each xdist worker starts one multiprocessing
+forkserver that imports the workers' modules, and every rank is a fork of it: the same gloo process group from the
+same environment variables torchrun sets (env:// on a free port), with none of the start-up. A rank's stdout and stderr go to a file, whose tail a failure shows.
 """
 from __future__ import annotations
 

@@ -429,7 +429,7 @@ def test_one_file_is_tokenized_by_every_rank_into_the_stream_of_its_one_unit_rea
 
 
 @pytest.mark.slow
-def test_one_big_file_under_torchrun_equals_one_process_and_its_one_unit_reading(tmp_path, monkeypatch):
+def test_one_big_file_on_2_ranks_equals_one_process_and_its_one_unit_reading(tmp_path, monkeypatch):
     from launch import DEBUG
     from ranks import run_ranks
 

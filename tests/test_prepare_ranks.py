@@ -1,6 +1,6 @@
-"""prepare.py's command writes the same bytes at 1, 2 and 4 ranks (forked: tests/ranks.py): every file of the data folder (tokenizer,
-meta.json, each source's stream and, with --data.prepared_format megatron, its .idx), for a mixture of a jsonl and a
-txt source cut into many work units, so that every rank tokenizes some of them. (tests/test_data.py compares the
+"""prepare.py's command writes the same bytes at 1, 2 and 4 ranks (forked: tests/ranks.py): every file of the data
+folder (tokenizer, meta.json, each source's stream and, with --data.prepared_format megatron, its .idx), for a mixture
+of a jsonl and a txt source cut into many work units, so that every rank tokenizes some of them. (tests/test_data.py compares the
 stream alone, at 3 ranks in threads and at 2 under torchrun.)"""
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def test_prepare_writes_the_same_bytes_at_1_2_and_4_ranks(tmp_path, monkeypatch)
     run = tmp_path / "run"
     outs = {}
     monkeypatch.setattr(filesplit, "UNIT_BYTES", UNIT_BYTES)
-    # a megatron preparation is a bin one plus rank 0's .idx files (compared below), so each launch (about
-    # 20 s on 2 busy cores) covers one format: 2 ranks bin, 4 ranks megatron
+    # a megatron preparation is a bin one plus rank 0's .idx files (compared below), so each launch covers one
+    # format: 2 ranks bin, 4 ranks megatron
     for world, fmt in ((1, "bin"), (1, "megatron"), (2, "bin"), (4, "megatron")):
         args = ["--config", config, "--run_dir", str(run), "--data.prepared_format", fmt]
         if world == 1:
