@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from multiprocessing import forkserver
+from unittest import mock
 
 from parallel import distributed
 
@@ -46,16 +47,13 @@ def run_ranks(nproc: int, module: str, *args: str, timeout: float = 300) -> None
         p.start()
     deadline = time.time() + timeout
     try:
-        while any(p.exitcode is None for p in procs):
+        while not all(p.exitcode == 0 for p in procs):
             failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed:
                 raise AssertionError(_failure(module, failed[0], nproc, f"exited {procs[failed[0]].exitcode}", logs))
             if time.time() > deadline:
                 raise AssertionError(_failure(module, 0, nproc, f"was still running after {timeout:g} s", logs))
             time.sleep(0.02)
-        failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
-        if failed:
-            raise AssertionError(_failure(module, failed[0], nproc, f"exited {procs[failed[0]].exitcode}", logs))
         shutil.rmtree(logs, ignore_errors=True)
     finally:
         for p in procs:
@@ -69,15 +67,9 @@ def _start_server() -> None:
     without the parent's sys.path (it passes it, then ignores it): the server alone is started with tests/ and the
     root on PYTHONPATH, else the imports fail silently and every rank pays them."""
     multiprocessing.set_forkserver_preload(WORKERS)
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), *([before] if before else [])])
-    try:
+    path = [HERE, os.path.dirname(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(path)):
         forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
 
 
 def _failure(module: str, rank: int, nproc: int, what: str, logs: str) -> str:
