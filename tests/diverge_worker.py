@@ -46,6 +46,11 @@ def inject(spec: str) -> None:
     runner_module.token_loss_sums = scaled
 
 
-if __name__ == "__main__":
+def main() -> int:
+    """The chosen entry's main() on sys.argv, its loss scaled as DIVERGE says; returns its exit status."""
     inject(os.environ["DIVERGE"])
-    exit_command((train_2d if os.environ.get("DIVERGE_ENTRY") == "train_2d" else train_fsdp).main())
+    return (train_2d if os.environ.get("DIVERGE_ENTRY") == "train_2d" else train_fsdp).main()
+
+
+if __name__ == "__main__":
+    exit_command(main())

@@ -1,4 +1,6 @@
-"""Run the project's scripts under torchrun as a user would, with a timeout so a hang fails."""
+"""Run the project's scripts on ranks as torchrun starts them, with a timeout so a hang fails: on ranks forked from a
+server that imported the trainer (`run`, `start`: tests/ranks.py), or under torchrun itself (`torchrun`, `spawn`) where
+the launch is what a test checks."""
 from __future__ import annotations
 
 import fcntl
@@ -18,6 +20,7 @@ import torch
 import prepare
 from config import parse_config
 from parallel import distributed
+from ranks import Ranks, fork_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "debug.toml")
@@ -48,6 +51,35 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: b
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc
+
+
+FORKED = {"train_fsdp.py": "train_fsdp", "train_2d.py": "train_2d", "evaluate.py": "evaluate",
+          "tests/diverge_worker.py": "diverge_worker"}
+"""The scripts `run` starts on forked ranks, and their modules."""
+
+
+def run(nproc: int, script: str, *args: str, timeout: float = 300, check: bool = True,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    """torchrun(nproc, script, *args) on ranks forked from a server that imported the trainer (tests/ranks.py):
+    the same ranks, environment, exit status and outputs (each rank's in turn), without torchrun's start-up.
+
+    For runs whose outcome a test compares (losses, checkpoints, printed lines), not their launch; script is a key of
+    FORKED. Raises AssertionError with the output's tail if check and the exit status is not 0, and past timeout
+    seconds (every rank killed).
+    """
+    rc, out, err = fork_ranks(nproc, FORKED[script], *args, timeout=timeout, check=False, env=env)
+    if check and rc != 0:
+        raise AssertionError(f"{script} {' '.join(map(str, args))} on {nproc} forked ranks exited {rc}:\n"
+                             f"{(out + err)[-3000:]}")
+    return subprocess.CompletedProcess([script, *map(str, args)], rc, out, err)
+
+
+def start(nproc: int, script: str, *args: str, log_path, env: dict | None = None) -> Ranks:
+    """`run` started, not waited for, the ranks' stdout and stderr together in log_path (as `spawn` keeps a torchrun
+    launch's); the caller waits for it (poll, wait) or kills it (Ranks.kill: every rank SIGKILLed, as a node
+    failure would). For kill-and-resume tests whose subject is the checkpoint, not torchrun's agent."""
+    open(log_path, "w").close()
+    return Ranks(nproc, FORKED[script], args, env, [(str(log_path), str(log_path))] * nproc)
 
 
 def torchrun_command(nproc: int, script: str, *args: str, launcher: tuple[str, ...] = ("--standalone",)) -> list[str]:
@@ -168,8 +200,8 @@ def job_list(argv: list[str]) -> list[list[str]]:
 
 
 def debug_run(nproc: int, run_dir: str, *overrides: str, script: str = "train_fsdp.py", **kw):
-    """A debug-config run into run_dir with overrides (e.g. '--train.steps', '4')."""
-    return torchrun(nproc, script, "--config", DEBUG, "--run_dir", str(run_dir), *overrides, **kw)
+    """A debug-config run into run_dir with overrides (e.g. '--train.steps', '4'), on forked ranks (`run`)."""
+    return run(nproc, script, "--config", DEBUG, "--run_dir", str(run_dir), *overrides, **kw)
 
 
 def metrics(run_dir) -> list[dict]:
@@ -189,8 +221,8 @@ def prepared_data_dir(dest) -> None:
     Saves each test the tokenizer training and tokenization (prepare.prepare reuses it). The xdist workers of one
     run share the copy (the first to ask prepares it under a lock; the others wait for it).
     """
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
-    cache = os.path.join(tempfile.gettempdir(), f"llama_pretrain_test_data_{run}")
+    test_run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+    cache = os.path.join(tempfile.gettempdir(), f"llama_pretrain_test_data_{test_run}")
     with locked(cache + ".lock"):
         if not os.path.exists(os.path.join(cache, "meta.json")):
             cfg = parse_config(["--config", DEBUG])

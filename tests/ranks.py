@@ -1,12 +1,17 @@
-"""The tests' own workers (tests/grad_worker.py, plan_worker.py, muon_worker.py, hf_import_worker.py,
-small_units_prepare.py) on N ranks, each rank a process forked from a server that imported them once.
+"""The trainer's commands (train_fsdp.py, train_2d.py, evaluate.py) and the tests' own workers (grad_worker.py,
+plan_worker.py, muon_worker.py, hf_import_worker.py, small_units_prepare.py, diverge_worker.py) on N ranks, each rank
+a process forked from a server that imported them once.
 
-A torchrun launch of 2 ranks costs about 6 CPU-s before its first step (its agent and each rank import torch: 1.3 and
-2.2 CPU-s on this machine), and the suite runs these workers on about 50 ranks in 20 launches. These workers are the
-tests' instruments, not the product: the product's scripts still run under torchrun as a user runs them
-(launch.torchrun; prepare.py's own launch in test_data.py). So each xdist worker starts one multiprocessing
-forkserver that imports the workers' modules, and every rank is a fork of it: the same gloo process group from the
-same environment variables torchrun sets (env:// on a free port), with none of the start-up. A rank's stdout and stderr go to a file, whose tail a failure shows.
+A torchrun launch of 2 ranks spends most of its CPU before its first step: its agent imports torch, and each rank
+imports torch and the trainer (1.3 and 2.2 CPU-s on a fast core, twice that on a slow one), and the suite makes about
+a hundred launches. So each xdist worker starts one multiprocessing forkserver that imports these modules, and every
+rank is a fork of it: the same gloo process group from the same environment variables torchrun sets (env:// on a
+free port, the checkout's root as the working directory), the same exit status and SIGTERM-then-SIGKILL of the
+peers of a failed rank, with none of the start-up. A rank's stdout and stderr go to files, read back in rank order.
+
+What is about the launch itself stays under torchrun (launch.torchrun and launch.spawn): the agent's restarts,
+signals sent to torchrun and forwarded to its workers, torchrun's own output, multi-node runs, prepare.py's launch,
+and at least one launch of each entry script as a user starts it.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import importlib
 import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,43 +29,108 @@ from unittest import mock
 from parallel import distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKERS = ["grad_worker", "plan_worker", "muon_worker", "hf_import_worker", "small_units_prepare"]
-"""The modules the server imports before it forks (torch, the trainer and the workers themselves)."""
+WORKERS = ["train_fsdp", "train_2d", "evaluate", "grad_worker", "plan_worker", "muon_worker", "hf_import_worker",
+           "small_units_prepare", "diverge_worker"]
+"""The modules the server imports before it forks (torch, the trainer, its commands and the tests' workers)."""
 
 
 def run_ranks(nproc: int, module: str, *args: str, timeout: float = 300) -> None:
     """tests/<module>.py's main() with sys.argv [module, *args] on nproc ranks, forked; returns once every rank
     exited 0.
 
-    Raises AssertionError naming the rank and its output's tail when a rank exits otherwise (the others are killed),
-    or past timeout seconds (every rank is killed: a hang fails).
+    Raises AssertionError naming the rank and its output's tail when a rank exits otherwise, or past timeout seconds
+    (every rank is killed: a hang fails).
     """
-    assert module in WORKERS, f"{module} is not among the forked workers ({', '.join(WORKERS)})"
-    ctx = multiprocessing.get_context("forkserver")
-    _start_server()
-    port, logs = distributed.free_port(), tempfile.mkdtemp(prefix=f"{module}-ranks-")
-    # not daemonic: a rank may start processes of its own (inductor's compile workers, DCP's async saver); the finally
-    # below kills what is left
-    procs = [ctx.Process(target=_rank, args=(module, [str(a) for a in args], rank, nproc, port,
-                                             os.path.join(logs, f"rank{rank}.log")))
-             for rank in range(nproc)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + timeout
+    fork_ranks(nproc, module, *args, timeout=timeout, check=True)
+
+
+def fork_ranks(nproc: int, module: str, *args: str, timeout: float = 300, check: bool = True,
+               env: dict | None = None) -> tuple[int, str, str]:
+    """<module>.main() with sys.argv [module, *args] on nproc forked ranks (Ranks), the environment plus env, run
+    to its end; returns (exit status, the ranks' stdout, their stderr), each in rank order.
+
+    Raises AssertionError naming the failed rank and its output's tail when check and a rank failed, and past
+    timeout seconds (every rank is killed: a hang fails).
+    """
+    logs = tempfile.mkdtemp(prefix=f"{module}-ranks-")
+    ranks = Ranks(nproc, module, args, env, [(os.path.join(logs, f"rank{r}.o"), os.path.join(logs, f"rank{r}.e"))
+                                             for r in range(nproc)])
     try:
-        while not all(p.exitcode == 0 for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if failed:
-                raise AssertionError(_failure(module, failed[0], nproc, f"exited {procs[failed[0]].exitcode}", logs))
-            if time.time() > deadline:
-                raise AssertionError(_failure(module, 0, nproc, f"was still running after {timeout:g} s", logs))
-            time.sleep(0.02)
+        try:
+            rc = ranks.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(_failure(ranks, 0, f"was still running after {timeout:g} s", logs)) from None
+        failed = [r for r, p in enumerate(ranks.procs) if p.exitcode != 0]
+        if check and failed:
+            raise AssertionError(_failure(ranks, failed[0], f"exited {ranks.procs[failed[0]].exitcode}", logs))
+        out, err = ("".join(_read(os.path.join(logs, f"rank{r}.{kind}")) for r in range(nproc)) for kind in "oe")
         shutil.rmtree(logs, ignore_errors=True)
+        return rc, out, err
     finally:
-        for p in procs:
+        ranks.kill()
+
+
+class Ranks:
+    """<module>.main() with sys.argv [module, *args] on nproc ranks forked from this process's server, started and
+    read like the subprocess.Popen of their torchrun launch: poll(), wait(), returncode, kill().
+
+    Each rank has this process's environment (now, not the server's), env and torchrun's variables, and writes its stdout and stderr to the files of
+    outputs[rank] (appended: ranks may share one). As torchrun's agent does, once a rank has failed its peers get
+    SIGTERM (which the trainer answers by finishing its step) and, GRACE_S later, SIGKILL; the status is 0 when
+    every rank exited 0, else 1.
+    """
+
+    def __init__(self, nproc: int, module: str, args, env: dict | None, outputs: list[tuple[str, str]]):
+        assert module in WORKERS, f"{module} is not among the forked modules ({', '.join(WORKERS)})"
+        self.module, self.args, self.returncode, self._failed_at = module, [str(a) for a in args], None, None
+        ctx = multiprocessing.get_context("forkserver")
+        _start_server()
+        port = distributed.free_port()
+        # not daemonic: a rank may start processes of its own (inductor's compile workers, DCP's async saver);
+        # kill() stops what is left
+        environ = {**os.environ, **(env or {})}  # this process's now: the server's is from when it started
+        self.procs = [ctx.Process(target=_rank, args=(module, self.args, rank, nproc, port, outputs[rank], environ))
+                      for rank in range(nproc)]
+        for p in self.procs:
+            p.start()
+
+    def poll(self) -> int | None:
+        """None while a rank runs, then the exit status (0 when every rank exited 0, else 1)."""
+        codes = [p.exitcode for p in self.procs]
+        if self._failed_at is None and any(c not in (None, 0) for c in codes):
+            self._failed_at = time.time()
+            for p in self.procs:
+                if p.exitcode is None:
+                    p.terminate()  # once: a second signal may mean "stop now" to the trainer
+        elif self._failed_at is not None and time.time() > self._failed_at + GRACE_S:
+            for p in self.procs:
+                if p.exitcode is None:
+                    p.kill()
+        if None not in codes:
+            self.returncode = 0 if all(c == 0 for c in codes) else 1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit status once every rank has exited; subprocess.TimeoutExpired past timeout seconds."""
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired([self.module, *self.args], timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL every rank still running, as a node failure would; returns once they are gone (reaped)."""
+        for p in self.procs:
             if p.exitcode is None:
                 p.kill()
+        for p in self.procs:
             p.join()
+        self.poll()
+
+
+GRACE_S = 30
+"""How long ranks have after SIGTERM before SIGKILL, once a peer failed (torchrun's agent's default)."""
 
 
 def _start_server() -> None:
@@ -72,30 +143,37 @@ def _start_server() -> None:
         forkserver.ensure_running()
 
 
-def _failure(module: str, rank: int, nproc: int, what: str, logs: str) -> str:
+def _read(path: str) -> str:
     try:
-        with open(os.path.join(logs, f"rank{rank}.log"), errors="replace") as f:
-            tail = f.read()[-3000:]
+        with open(path, errors="replace") as f:
+            return f.read()
     except FileNotFoundError:  # it ended before its first line: multiprocessing's own error went to the server's
-        tail = "(no output: see the test's captured stderr)"
-    return f"{module}'s rank {rank} of {nproc} forked {what} (its output in {logs}):\n{tail}"
+        return ""
 
 
-def _rank(module: str, argv: list[str], rank: int, world: int, port: int, log: str) -> None:
-    """One rank, in the forked process: torchrun's variables, the output to log, then the module's main()."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    for key in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
-        del os.environ[key]
+def _failure(ranks: Ranks, rank: int, what: str, logs: str) -> str:
+    tail = (_read(os.path.join(logs, f"rank{rank}.o"))[-1000:] + _read(os.path.join(logs, f"rank{rank}.e"))[-3000:]
+            or "(no output: see the test's captured stderr)")
+    return f"{ranks.module}'s rank {rank} of {len(ranks.procs)} forked {what} (its output in {logs}):\n{tail}"
+
+
+def _rank(module: str, argv: list[str], rank: int, world: int, port: int, outputs: tuple[str, str],
+          environ: dict) -> None:
+    """One rank, in the forked process: the environment environ with torchrun's variables, stdout and stderr appended
+    to the files of outputs, then the module's main(); its return value is the exit status."""
+    for fd, path in zip((1, 2), outputs):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+    os.environ.clear()
+    os.environ.update({k: v for k, v in environ.items() if not k.startswith("TORCHELASTIC_")})
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.chdir(os.path.dirname(HERE))  # the checkout's root, where launch.torchrun starts its runs
     import torch
 
     torch.set_num_threads(1)
     sys.argv = [f"{module}.py", *argv]
     try:
-        importlib.import_module(module).main()
+        sys.exit(importlib.import_module(module).main() or 0)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -18,13 +18,13 @@ from launch import (
     REFERENCE_ARGS,
     debug_run,
     debug_run_in_process,
-    kill_tree,
     losses,
     main_in_process,
     metrics,
     prepared_data_dir,
+    run,
     spawn,
-    torchrun,
+    start,
     torchrun_command,
     wait_for_step,
 )
@@ -192,12 +192,17 @@ COMMON = REFERENCE_ARGS  # the conftest `reference` run's
 
 
 def _kill_after(rd, nproc, step, sig, *extra):
-    p = spawn(torchrun_command(nproc, "train_fsdp.py", "--config", DEBUG, "--run_dir", rd, *COMMON, *extra),
-              rd.parent / f"{rd.name}.log")
-    wait_for_step(rd, step, p)
-    # SIGKILL hits every process, as a node failure would; SIGTERM/SIGINT the launcher's group,
-    # as a scheduler or a terminal does (torchrun forwards them to its workers).
-    kill_tree(p.pid) if sig == signal.SIGKILL else os.killpg(p.pid, sig)
+    args, log = ["--config", DEBUG, "--run_dir", rd, *COMMON, *extra], rd.parent / f"{rd.name}.log"
+    # SIGKILL hits every rank, as a node failure would (forked ranks: the checkpoint is the subject, not the agent);
+    # SIGTERM/SIGINT torchrun's group, as a scheduler or a terminal does (torchrun forwards them to its workers).
+    if sig == signal.SIGKILL:
+        p = start(nproc, "train_fsdp.py", *args, log_path=log)
+        wait_for_step(rd, step, p)
+        p.kill()
+    else:
+        p = spawn(torchrun_command(nproc, "train_fsdp.py", *args), log)
+        wait_for_step(rd, step, p)
+        os.killpg(p.pid, sig)
     return p.wait(timeout=120)
 
 
@@ -244,7 +249,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(tmp_path, reference, 
                           (("--config", in_file, "--train.stepz", "1"), True)):
         (rd / "exit.json").write_text(stop)
         if launched:
-            rc = torchrun(2, "train_fsdp.py", *map(str, bad), *COMMON, check=False).returncode
+            rc = run(2, "train_fsdp.py", *map(str, bad), *COMMON, check=False).returncode
         else:
             try:
                 rc, _ = main_in_process(monkeypatch, capsys, *bad, *COMMON, world_size=2)

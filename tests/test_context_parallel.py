@@ -11,11 +11,9 @@ from launch import (
     REFERENCE_ARGS,
     debug_run,
     debug_run_in_process,
-    kill_tree,
     losses,
     prepared_data_dir,
-    spawn,
-    torchrun_command,
+    start,
     wait_for_step,
     wait_until_unlocked,
 )
@@ -83,10 +81,10 @@ def test_sigkill_at_cp2_then_resume_at_cp1_fsdp2_and_in_2d_gives_the_uninterrupt
     # rank) after step 5 or later, the newest checkpoint is step 4 or later.
     rd = tmp_path / "cp2"
     prepared_data_dir(rd)
-    p = spawn(torchrun_command(2, "train_fsdp.py", "--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS, *CP2),
-              tmp_path / "cp2.log")
+    p = start(2, "train_fsdp.py", "--config", DEBUG, "--run_dir", rd, *REFERENCE_ARGS, *CP2,
+              log_path=tmp_path / "cp2.log")
     wait_for_step(rd, 5, p)
-    kill_tree(p.pid)  # SIGKILL to every process, as a node failure
+    p.kill()  # SIGKILL to every process, as a node failure
     assert p.wait(timeout=120) != 0, "the run finished before it was killed"
     two_d, fsdp2 = tmp_path / "dp1xtp2", tmp_path / "fsdp2"
     for other in (two_d, fsdp2):

@@ -20,7 +20,7 @@ import hf
 import train_fsdp
 from data_pipeline import tokenizer
 from evaluation import downstream
-from launch import DEBUG, ROOT, metrics, prepared_data_dir, refused, torchrun, train_in_process
+from launch import DEBUG, ROOT, metrics, prepared_data_dir, refused, run, train_in_process
 from scripts.stdlib_tasks import write_tasks
 
 TASKS = ("stdlib_next", "stdlib_long")
@@ -163,16 +163,16 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_an
     # Scored at steps 2 and 4 (a short warmup, so the scores move between them), a batch of 8: the comparisons need
     # two scorings of a trained export, not a long run.
     mid, end = 2, 4
-    run = ["--config", cfg, "--train.steps", str(end), "--checkpoint.interval", str(end), "--train.val_interval", "0",
+    args = ["--config", cfg, "--train.steps", str(end), "--checkpoint.interval", str(end), "--train.val_interval", "0",
            "--eval.interval", str(mid), "--optim.warmup_steps", str(mid), "--train.global_batch_size", "8"]
     # In the loop at 1 rank, dp 1 x tp 2 and pp 2; the 2 data-parallel ranks' share of the requests is evaluate.py's
     # below (the same scorer on the training code's FSDP model).
     one, tp2, pp2 = tmp_path / "ws1", tmp_path / "dp1tp2", tmp_path / "pp2"
     for rd in (one, tp2, pp2):
         prepared_data_dir(rd)  # the session's tokenized debug corpus: no tokenizer training per run
-    train_in_process(monkeypatch, capsys, *run, "--run_dir", one)  # 1 rank: train_fsdp.main in this process
-    torchrun(2, "train_2d.py", *run, "--run_dir", str(tp2), "--parallel.tp", "2")  # vocabulary-parallel logits
-    torchrun(2, "train_fsdp.py", *run, "--run_dir", str(pp2), "--parallel.pp", "2")  # scored stage after stage
+    train_in_process(monkeypatch, capsys, *args, "--run_dir", one)  # 1 rank: train_fsdp.main in this process
+    run(2, "train_2d.py", *args, "--run_dir", str(tp2), "--parallel.tp", "2")  # vocabulary-parallel logits
+    run(2, "train_fsdp.py", *args, "--run_dir", str(pp2), "--parallel.pp", "2")  # scored stage after stage
     ours = {step: _scores(metrics(one), step) for step in (mid, end)}
     assert set(ours[end]) == {f"eval/{t}/{m}" for t in TASKS for m in ("acc", "acc_norm")}, ours
     assert ours[mid] and ours[mid] != ours[end]
@@ -198,7 +198,7 @@ def test_scores_equal_the_harness_on_the_export_at_1_and_2_ranks_and_under_tp_an
     assert harness["eval/stdlib_next/acc"] != harness["eval/stdlib_next/acc_norm"]  # length normalisation exercised
     assert ours[end] == harness
 
-    proc = torchrun(2, "evaluate.py", "--run_dir", str(one), "--tasks", ",".join(TASKS), "--eval.limit", "0")
+    proc = run(2, "evaluate.py", "--run_dir", str(one), "--tasks", ",".join(TASKS), "--eval.limit", "0")
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {k: v for k, v in printed.items() if k in harness} == harness
     assert printed["eval/stdlib_next/examples"] == 48 and printed["eval/stdlib_long/examples"] == 18

@@ -457,6 +457,7 @@ def test_perplexity_of_evaluate_equals_transformers_on_the_same_windows(tmp_path
     cfg = _debug_cfg()
     n = cfg.train.val_batches * cfg.train.global_batch_size  # the windows training validates on
     # 5 per forward on 2 ranks: uneven last batches, and one rank runs a spare forward.
+    # under torchrun, as a user launches it: evaluate.py's one such launch in the suite (the others fork: launch.run)
     proc = torchrun(2, "evaluate.py", "--run_dir", run, "--split", "val", "--max_sequences", str(n),
                     "--micro_batch_size", "5", timeout=180)
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -30,14 +30,12 @@ from evaluation import validation
 from launch import (
     DEBUG,
     evaluate_in_process,
-    kill_tree,
     losses,
     metrics,
     prepared_data_dir,
     refused,
-    spawn,
-    torchrun,
-    torchrun_command,
+    run,
+    start,
 )
 from training import command
 from training.session import build
@@ -403,12 +401,12 @@ def _mixture_toml(tmp) -> str:
 
 def _killed_after(cfg, rd, nproc, step):
     """Start a run, SIGKILL it and its workers once the checkpoint of `step` is committed."""
-    p = spawn(torchrun_command(nproc, "train_fsdp.py", "--config", cfg, "--run_dir", rd, *MIXTURE_RUN),
-              rd.parent / f"{rd.name}.log")
+    p = start(nproc, "train_fsdp.py", "--config", cfg, "--run_dir", rd, *MIXTURE_RUN,
+              log_path=rd.parent / f"{rd.name}.log")
     deadline = time.time() + 240
     while time.time() < deadline and p.poll() is None:
         if os.path.isfile(rd / "checkpoints" / f"step_{step:08d}" / ".metadata"):
-            kill_tree(p.pid)
+            p.kill()
             break
         time.sleep(0.01)
     rc = p.wait(timeout=60)
@@ -420,7 +418,7 @@ def _killed_after(cfg, rd, nproc, step):
 def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_path, monkeypatch, capsys):
     cfg = _mixture_toml(tmp_path)
     ref = tmp_path / "ref"
-    console = torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(ref), *MIXTURE_RUN).stdout
+    console = run(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(ref), *MIXTURE_RUN).stdout
     want = losses(ref)
     assert sorted(want) == list(range(1, 9))
     # One run directory, killed twice: on 2 ranks before the stage change (after step 4), resumed on 1 rank across
@@ -430,7 +428,7 @@ def test_sigkill_around_a_stage_change_then_resume_at_another_world_size(tmp_pat
     assert _killed_after(cfg, rd, 2, 3) != 0, "the run finished before it was killed"
     assert _killed_after(cfg, rd, 1, 5) != 0, "the run finished before it was killed"
     before = int(re.search(r"resumed from \S+ at step (\d+)", (tmp_path / "killed.log").read_text()).group(1))
-    proc = torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(rd), *MIXTURE_RUN)
+    proc = run(2, "train_fsdp.py", "--config", cfg, "--run_dir", str(rd), *MIXTURE_RUN)
     after = int(re.search(r"resumed from \S+ at step (\d+)", proc.stdout).group(1))
     assert before <= 4 < after, (before, after)  # the stage's first step is 5
     got = losses(rd)

@@ -18,14 +18,12 @@ from launch import (
     REFERENCE_BATCH,
     before_any_collective,
     debug_run_in_process,
-    kill_tree,
     losses,
     main_in_process,
     metrics,
     prepared_data_dir,
     refused,
-    spawn,
-    torchrun_command,
+    start,
     train_in_process,
     wait_for_step,
     wait_until_unlocked,
@@ -565,9 +563,9 @@ def test_sigkill_at_ep_2_then_resume_on_1_rank_gives_the_uninterrupted_losses(tm
     for d in (ref, rd):
         prepared_data_dir(d)
     train_in_process(monkeypatch, capsys, *args, "--run_dir", ref)  # the 1-rank runs: in this process
-    p = spawn(torchrun_command(2, "train_fsdp.py", *args, "--run_dir", str(rd), *EP2), tmp_path / "killed.log")
+    p = start(2, "train_fsdp.py", *args, "--run_dir", str(rd), *EP2, log_path=tmp_path / "killed.log")
     wait_for_step(rd, 3, p)
-    kill_tree(p.pid)
+    p.kill()
     assert p.wait(timeout=120) != 0, "the run finished before it was killed"
     wait_until_unlocked(rd)  # its workers are gone: the resume starts at once, in this process
     train_in_process(monkeypatch, capsys, *args, "--run_dir", rd)  # the experts of 2 ranks, whole on 1

@@ -14,7 +14,7 @@ import torch
 import torch.optim._muon
 
 from config import parse_config
-from launch import DEBUG, REFERENCE_BATCH, losses, prepared_data_dir, torchrun, train_in_process
+from launch import DEBUG, REFERENCE_BATCH, losses, prepared_data_dir, run, train_in_process
 from model import Transformer
 from nn.roles import roles
 from optimization import muon
@@ -165,7 +165,7 @@ def test_muon_wsd_checkpoint_loads_at_another_world_size(tmp_path, monkeypatch, 
     ref, branch = tmp_path / "ref", tmp_path / "branch"
     for d in (ref, branch):
         prepared_data_dir(d)  # the session's tokenized corpus: no tokenizer training per run
-    first = torchrun(2, "train_fsdp.py", *common, "--run_dir", ref)
+    first = run(2, "train_fsdp.py", *common, "--run_dir", ref)
     assert "all_gather_into_tensor" not in first.stderr  # torch 2.13's FutureWarning, once per rank, is gone
     train_in_process(monkeypatch, capsys, *common, "--run_dir", branch, "--checkpoint.load_from",  # 1 rank, here
                      ref / "checkpoints" / "step_00000005")

@@ -29,6 +29,7 @@ from launch import (
     metrics,
     prepared_data_dir,
     spawn,
+    start,
     torchrun_command,
     wait_for_step,
 )
@@ -193,7 +194,7 @@ def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_lik
     #    saves 6; the store goes down after step 7, so the save of step 8 fails with one line.
     relay = Relay(int(s3["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
     via_relay = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{relay.port}", "AWS_MAX_ATTEMPTS": "3"}
-    proc = spawn(torchrun_command(1, "train_fsdp.py", *args), tmp_path / "log2.txt", env=via_relay)
+    proc = start(1, "train_fsdp.py", *args, log_path=tmp_path / "log2.txt", env=via_relay)
     wait_for_step(rd, 7, proc)
     relay.down()
     rc = proc.wait(timeout=240)
@@ -208,7 +209,7 @@ def test_killed_during_an_upload_then_a_store_outage_resumes_from_the_bucket_lik
     # 3. The store is back: the same command, saving asynchronously now, resumes from step 6 and
     #    finishes; keep 2 on the store.
     relay.up()
-    proc = spawn(torchrun_command(1, "train_fsdp.py", *args, "--checkpoint.async_save", "true"), tmp_path / "log3.txt",
+    proc = start(1, "train_fsdp.py", *args, "--checkpoint.async_save", "true", log_path=tmp_path / "log3.txt",
                  env=via_relay)
     assert proc.wait(timeout=240) == 0, (tmp_path / "log3.txt").read_text()[-3000:]
     assert f"resumed from {url}/step_00000006 at step 6" in (tmp_path / "log3.txt").read_text()

@@ -12,13 +12,11 @@ from launch import (
     GRAD_STEPS,
     REFERENCE_BATCH,
     before_any_collective,
-    kill_tree,
     losses,
     metrics,
     prepared_data_dir,
     refused,
-    spawn,
-    torchrun_command,
+    start,
     train_in_process,
     wait_for_step,
     wait_until_unlocked,
@@ -144,9 +142,9 @@ def test_sigkill_at_pp_2_resumed_at_pp_2_x_tp_2_then_on_1_rank_gives_the_uninter
     legs = [(2, "train_fsdp.py", ["--parallel.pp", "2"], 3),  # killed after step 3: resumes from step 2
             (4, "train_2d.py", ["--parallel.pp", "2", "--parallel.tp", "2"], 5)]  # from step 2, killed after 5
     for i, (n, script, flags, step) in enumerate(legs):
-        p = spawn(torchrun_command(n, script, *args, "--run_dir", str(rd), *flags), tmp_path / f"killed{i}.log")
+        p = start(n, script, *args, "--run_dir", str(rd), *flags, log_path=tmp_path / f"killed{i}.log")
         wait_for_step(rd, step, p)
-        kill_tree(p.pid)
+        p.kill()
         assert p.wait(timeout=120) != 0, f"leg {i} finished before it was killed"
     wait_until_unlocked(rd)  # the killed legs' workers are gone: the resume starts at once, in this process
     train_in_process(monkeypatch, capsys, *args, "--run_dir", rd)  # every stage's parameters, whole on 1 rank

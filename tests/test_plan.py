@@ -13,7 +13,7 @@ import torch.distributed as dist
 import plan
 import train_2d
 from config import parse_config
-from launch import DEBUG, ROOT, metrics, torchrun
+from launch import DEBUG, ROOT, metrics, run
 from model import num_params
 from parallel import distributed
 from parallel.layout import Layout
@@ -219,7 +219,8 @@ def test_the_first_command_search_prints_trains_with_the_planned_peak(world, tmp
     words = shlex.split(cmds[0])
     assert words[:3] == ["torchrun", "--standalone", f"--nproc_per_node={world}"], words
     run_dir = str(tmp_path / "run")
-    out = torchrun(world, words[3], *words[4:], "--run_dir", run_dir, "--train.steps", "3", "--train.log_interval",
+    # the printed command's script and arguments on the ranks torchrun would start (forked: launch.run)
+    out = run(world, words[3], *words[4:], "--run_dir", run_dir, "--train.steps", "3", "--train.log_interval",
                    "1", "--train.val_interval", "0", "--checkpoint.interval", "1000", "--train.track_memory", "true",
                    timeout=300).stdout
     records = [r for r in metrics(run_dir) if "loss" in r]

@@ -158,7 +158,7 @@ def test_a_glob_or_prefix_that_matches_nothing_in_the_bucket_is_one_line(shards,
 def test_a_run_from_the_bucket_gives_the_local_runs_losses(s3, tmp_path):
     """2 ranks, 3 steps on the debug corpus's stream written as 2 Megatron shards: read from the bucket (every rank
     its windows, through fsspec) and from the local files, the same losses, bitwise (the same tokens and batches)."""
-    from launch import REFERENCE_BATCH, losses, prepared_data_dir, torchrun
+    from launch import REFERENCE_BATCH, losses, prepared_data_dir, run
     from test_pretokenized import _run_args, _split
     cache = tmp_path / "cache"
     prepared_data_dir(cache)
@@ -172,7 +172,7 @@ def test_a_run_from_the_bucket_gives_the_local_runs_losses(s3, tmp_path):
     runs = {}
     for name, spec in (("local", tmp_path / "meg" / "*_text_document"), ("s3", "s3://tests/run/*_text_document")):
         runs[name] = tmp_path / name
-        torchrun(2, "train_fsdp.py", *_run_args(runs[name], "--data.format", "megatron", "--data.dataset", spec,
+        run(2, "train_fsdp.py", *_run_args(runs[name], "--data.format", "megatron", "--data.dataset", spec,
                                                 "--data.tokenizer", cache / "data" / "tokenizer.json",
                                                 *REFERENCE_BATCH), env=s3)
     record = data.read_meta(str(runs["s3"] / "data"))["sources"]["default"]

@@ -23,14 +23,12 @@ from data_pipeline import megatron_index, pretokenized, tokenizer
 from launch import (
     DEBUG,
     REFERENCE_BATCH,
-    kill_tree,
     losses,
     main_in_process,
     metrics,
     prepared_data_dir,
-    spawn,
-    torchrun,
-    torchrun_command,
+    run,
+    start,
     train_in_process,
     wait_for_step,
     wait_until_unlocked,
@@ -406,7 +404,7 @@ def test_raw_text_and_the_same_tokens_as_megatron_and_datatrove_train_alike(tmp_
     """2 ranks, 3 steps: the raw-text run's losses, bitwise, from its stream written as Megatron and datatrove files."""
     raw = tmp_path / "raw"
     prepared_data_dir(raw)
-    torchrun(2, "train_fsdp.py", *_run_args(raw))
+    run(2, "train_fsdp.py", *_run_args(raw))
     meta = data.read_meta(str(raw / "data"))["sources"]["default"]
     flat = np.fromfile(raw / "data" / meta["file"], dtype=meta["dtype"])
     docs = _split(flat, (np.flatnonzero(flat == EOS) + 1).tolist())
@@ -414,7 +412,7 @@ def test_raw_text_and_the_same_tokens_as_megatron_and_datatrove_train_alike(tmp_
     write_datatrove(str(tmp_path / "c.ds"), docs)
     for fmt, spec in (("megatron", "corpus_text_document"), ("datatrove", "c.ds")):
         rd = tmp_path / fmt
-        torchrun(2, "train_fsdp.py", *_run_args(rd, "--data.format", fmt, "--data.dataset", tmp_path / spec,
+        run(2, "train_fsdp.py", *_run_args(rd, "--data.format", fmt, "--data.dataset", tmp_path / spec,
                                                 "--data.tokenizer", raw / "data" / "tokenizer.json"))
         assert losses(rd) == losses(raw)
         assert not os.path.isdir(rd / "data" / "sources") or not os.listdir(rd / "data" / "sources")  # no copy
@@ -509,11 +507,11 @@ weights = {{ meg = 0.8, text = 0.2 }}
 """)
     common = ["--config", config, "--data.tokenizer", cache / "data" / "tokenizer.json", "--train.val_interval", "0",
               "--checkpoint.interval", "2", "--train.steps", "4", *REFERENCE_BATCH]
-    torchrun(2, "train_fsdp.py", *common, "--run_dir", tmp_path / "whole")
+    run(2, "train_fsdp.py", *common, "--run_dir", tmp_path / "whole")
     killed = tmp_path / "killed"
-    p = spawn(torchrun_command(2, "train_fsdp.py", *common, "--run_dir", killed), tmp_path / "killed.log")
+    p = start(2, "train_fsdp.py", *common, "--run_dir", killed, log_path=tmp_path / "killed.log")
     wait_for_step(killed, 3, p)
-    kill_tree(p.pid)
+    p.kill()
     assert p.wait(timeout=60) != 0, "the run finished before it was killed"
     wait_until_unlocked(killed)
     resumed = train_in_process(monkeypatch, capsys, *common, "--run_dir", killed).stdout

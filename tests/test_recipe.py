@@ -18,13 +18,11 @@ from data import PackedCorpus
 from data_pipeline.loader import GlobalBatchLoader
 from launch import (
     DEBUG,
-    kill_tree,
     losses,
     metrics,
     prepared_data_dir,
-    spawn,
-    torchrun,
-    torchrun_command,
+    run,
+    start,
     train_in_process,
     wait_for_step,
 )
@@ -163,17 +161,16 @@ def test_sigkill_and_resume_with_muon_wsd_a_batch_stage_and_the_spike_guard(tmp_
     ref, rd, one = tmp_path / "ref", tmp_path / "killed", tmp_path / "one"
     for d in (ref, rd, one):
         prepared_data_dir(d)
-    torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", ref, *COMMON, "--checkpoint.keep", "0", timeout=300)
+    run(2, "train_fsdp.py", "--config", cfg, "--run_dir", ref, *COMMON, "--checkpoint.keep", "0", timeout=300)
     want = losses(ref)
     skipped = [r["step"] for r in metrics(ref) if r.get("skipped")]
     assert skipped and all(r["global_batch_size"] == (8 if r["step"] <= 5 else 16) for r in metrics(ref)
                            if "loss" in r), skipped
-    p = spawn(torchrun_command(2, "train_fsdp.py", "--config", cfg, "--run_dir", rd, *COMMON),
-              tmp_path / "killed.log")
+    p = start(2, "train_fsdp.py", "--config", cfg, "--run_dir", rd, *COMMON, log_path=tmp_path / "killed.log")
     wait_for_step(rd, 7, p)
-    kill_tree(p.pid)
+    p.kill()
     p.wait(timeout=120)
-    torchrun(2, "train_fsdp.py", "--config", cfg, "--run_dir", rd, *COMMON, timeout=300)
+    run(2, "train_fsdp.py", "--config", cfg, "--run_dir", rd, *COMMON, timeout=300)
     got = losses(rd)
     assert [r["step"] for r in metrics(rd) if "loss" in r] == list(range(1, 15))
     assert [r["step"] for r in metrics(rd) if r.get("skipped")] == skipped

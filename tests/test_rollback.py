@@ -26,6 +26,7 @@ from launch import (
     metrics,
     prepared_data_dir,
     spawn,
+    start,
     torchrun_command,
     wait_for_step,
     wait_until_unlocked,
@@ -134,13 +135,12 @@ def test_rollback_equals_a_fresh_run_with_its_skips_by_hand(one_rank, tmp_path, 
 def test_sigkill_after_a_rollback_then_resume_ends_as_the_uninterrupted_run(one_rank, tmp_path, capsys):
     rd = tmp_path / "killed"
     prepared_data_dir(rd)
-    cmd = torchrun_command(1, "tests/diverge_worker.py", "--config", DEBUG, "--run_dir", rd, *PLAIN, *GUARD)
-    proc = spawn(cmd, tmp_path / "log", env=FAULT)
+    proc = start(1, "tests/diverge_worker.py", "--config", DEBUG, "--run_dir", rd, *PLAIN, *GUARD,
+                 log_path=tmp_path / "log", env=FAULT)
     try:
         wait_for_step(rd, 13, proc)  # past the third rollback (at step 12) and the checkpoint of step 12 after it
     finally:
-        kill_tree(proc.pid)
-        proc.wait()
+        proc.kill()
     wait_until_unlocked(rd)  # its workers are gone: the resume starts at once, in this process
     _run_here(capsys, rd)
     assert _rollbacks(rd) == _rollbacks(one_rank)
