@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-# One intra-op thread per test process, as tests/launch.py gives its torchrun ranks: the two xdist workers already
+# One intra-op thread per test process, as tests/launch.py gives its ranks: the two xdist workers already
 # fill the CI's 2 cores, and more threads than free cores make the in-process tests several times slower on a busy
 # machine (the coordinate check: 3 s with one thread, 14 s with two, on 2 loaded cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -125,13 +125,13 @@ def reference(tmp_path_factory):
     return made_once(tmp_path_factory, "reference", make)
 
 
-LONGEST_FIRST = ["test_checkpoint.py", "test_restart.py", "test_plan.py", "test_pretokenized.py", "test_bad_input.py",
-                 "test_2d.py", "test_downstream.py", "test_rollback.py", "test_mixture.py", "test_context_parallel.py",
-                 "test_objectstore.py", "test_recipe.py", "test_hf.py", "test_pipeline.py", "test_moe.py",
-                 "test_observability.py", "test_train.py", "test_ladder.py", "test_pretok_s3.py", "test_multinode.py",
-                 "test_data.py", "test_prepare_ranks.py", "test_muon.py", "test_float8.py"]
-"""The test files that take longest (half a minute or more of a worker's time on 2 busy cores, measured per file
-with the whole suite on 2026-12-06, the parity workers' ranks forked by tests/ranks.py), longest first: the workers
+LONGEST_FIRST = ["test_plan.py", "test_checkpoint.py", "test_float8.py", "test_restart.py", "test_objectstore.py",
+                 "test_2d.py", "test_rollback.py", "test_ladder.py", "test_downstream.py", "test_pipeline.py",
+                 "test_hf.py", "test_moe.py", "test_recipe.py", "test_pretokenized.py", "test_multinode.py",
+                 "test_context_parallel.py", "test_observability.py", "test_bad_input.py", "test_mixture.py",
+                 "test_data.py", "test_train.py", "test_pretok_s3.py", "test_muon.py", "test_prepare_ranks.py"]
+"""The test files that take longest (a quarter of a minute or more of a worker's time on 2 busy cores, measured per
+file with the whole suite on 2026-12-07, the trainer's runs forked by tests/ranks.py), longest first: the workers
 take them first and end on the quick files, together. A file missing here goes after them, before the files without
 slow tests; when it was test_plan.py, it started 558 s into a 713 s run and ran on alone at the end."""
 

@@ -20,7 +20,7 @@ import torch
 import prepare
 from config import parse_config
 from parallel import distributed
-from ranks import Ranks, fork_ranks
+from ranks import Ranks, descendants, fork_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "debug.toml")
@@ -65,12 +65,9 @@ def run(nproc: int, script: str, *args: str, timeout: float = 300, check: bool =
 
     For runs whose outcome a test compares (losses, checkpoints, printed lines), not their launch; script is a key of
     FORKED. Raises AssertionError with the output's tail if check and the exit status is not 0, and past timeout
-    seconds (every rank killed).
+    seconds (every rank killed); the message names the rank that failed first and shows its output's tail.
     """
-    rc, out, err = fork_ranks(nproc, FORKED[script], *args, timeout=timeout, check=False, env=env)
-    if check and rc != 0:
-        raise AssertionError(f"{script} {' '.join(map(str, args))} on {nproc} forked ranks exited {rc}:\n"
-                             f"{(out + err)[-3000:]}")
+    rc, out, err = fork_ranks(nproc, FORKED[script], *args, timeout=timeout, check=check, env=env)
     return subprocess.CompletedProcess([script, *map(str, args)], rc, out, err)
 
 
@@ -79,7 +76,7 @@ def start(nproc: int, script: str, *args: str, log_path, env: dict | None = None
     launch's); the caller waits for it (poll, wait) or kills it (Ranks.kill: every rank SIGKILLed, as a node
     failure would). For kill-and-resume tests whose subject is the checkpoint, not torchrun's agent."""
     open(log_path, "w").close()
-    return Ranks(nproc, FORKED[script], args, env, [(str(log_path), str(log_path))] * nproc)
+    return Ranks(nproc, FORKED[script], args, env, log_path=log_path)
 
 
 def torchrun_command(nproc: int, script: str, *args: str, launcher: tuple[str, ...] = ("--standalone",)) -> list[str]:
@@ -92,23 +89,6 @@ def spawn(cmd: list[str], log_path, env: dict | None = None) -> subprocess.Popen
     log = open(log_path, "w")
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process under pid (read from /proc; torchrun starts its workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def kill_tree(pid: int, timeout: float = 30) -> None:

@@ -15,10 +15,12 @@ and at least one launch of each entry script as a user starts it.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,22 +51,19 @@ def fork_ranks(nproc: int, module: str, *args: str, timeout: float = 300, check:
     """<module>.main() with sys.argv [module, *args] on nproc forked ranks (Ranks), the environment plus env, run
     to its end; returns (exit status, the ranks' stdout, their stderr), each in rank order.
 
-    Raises AssertionError naming the failed rank and its output's tail when check and a rank failed, and past
-    timeout seconds (every rank is killed: a hang fails).
+    Raises AssertionError naming the rank that failed first and its output's tail when check and a rank failed,
+    and past timeout seconds (every rank is killed: a hang fails).
     """
-    logs = tempfile.mkdtemp(prefix=f"{module}-ranks-")
-    ranks = Ranks(nproc, module, args, env, [(os.path.join(logs, f"rank{r}.o"), os.path.join(logs, f"rank{r}.e"))
-                                             for r in range(nproc)])
+    ranks = Ranks(nproc, module, args, env)
     try:
         try:
             rc = ranks.wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(_failure(ranks, 0, f"was still running after {timeout:g} s", logs)) from None
-        failed = [r for r, p in enumerate(ranks.procs) if p.exitcode != 0]
-        if check and failed:
-            raise AssertionError(_failure(ranks, failed[0], f"exited {ranks.procs[failed[0]].exitcode}", logs))
-        out, err = ("".join(_read(os.path.join(logs, f"rank{r}.{kind}")) for r in range(nproc)) for kind in "oe")
-        shutil.rmtree(logs, ignore_errors=True)
+            raise AssertionError(ranks.failure(0, f"was still running after {timeout:g} s")) from None
+        if check and rc != 0:
+            raise AssertionError(ranks.failure(ranks.failed, f"exited {ranks.procs[ranks.failed].exitcode}"))
+        out, err = ("".join(_read(ranks.output(r, kind)) for r in range(nproc)) for kind in "oe")
+        shutil.rmtree(ranks.dir, ignore_errors=True)
         return rc, out, err
     finally:
         ranks.kill()
@@ -74,30 +73,51 @@ class Ranks:
     """<module>.main() with sys.argv [module, *args] on nproc ranks forked from this process's server, started and
     read like the subprocess.Popen of their torchrun launch: poll(), wait(), returncode, kill().
 
-    Each rank has this process's environment (now, not the server's), env and torchrun's variables, and writes its stdout and stderr to the files of
-    outputs[rank] (appended: ranks may share one). As torchrun's agent does, once a rank has failed its peers get
-    SIGTERM (which the trainer answers by finishing its step) and, GRACE_S later, SIGKILL; the status is 0 when
-    every rank exited 0, else 1.
+    Each rank has this process's environment (now, not the server's), env, torchrun's variables and an elastic
+    error file of its own (so that a failing rank waits for its peers as under torchrun: core/errors.report). Its
+    stdout and stderr go to log_path, appended (shared by the ranks, as `launch.spawn` keeps torchrun's), or else to
+    files of its own in self.dir (output). As torchrun's agent does, once a rank has failed (self.failed) its peers
+    get SIGTERM (which the trainer answers by finishing its step) and, GRACE_S later, SIGKILL; the status is 0 when
+    every rank exited 0, else 1. A rank ends through multiprocessing's os._exit: no atexit handler runs in it.
     """
 
-    def __init__(self, nproc: int, module: str, args, env: dict | None, outputs: list[tuple[str, str]]):
+    def __init__(self, nproc: int, module: str, args, env: dict | None = None, log_path=None):
         assert module in WORKERS, f"{module} is not among the forked modules ({', '.join(WORKERS)})"
-        self.module, self.args, self.returncode, self._failed_at = module, [str(a) for a in args], None, None
+        self.module, self.args, self.log_path = module, [str(a) for a in args], log_path
+        self.returncode, self.failed, self._failed_at, self.procs = None, None, None, []
+        self.dir = tempfile.mkdtemp(prefix=f"{module}-ranks-")
         ctx = multiprocessing.get_context("forkserver")
         _start_server()
         port = distributed.free_port()
-        # not daemonic: a rank may start processes of its own (inductor's compile workers, DCP's async saver);
-        # kill() stops what is left
         environ = {**os.environ, **(env or {})}  # this process's now: the server's is from when it started
-        self.procs = [ctx.Process(target=_rank, args=(module, self.args, rank, nproc, port, outputs[rank], environ))
-                      for rank in range(nproc)]
-        for p in self.procs:
-            p.start()
+        _LIVE.add(self)
+        try:
+            for rank in range(nproc):
+                outputs = (str(log_path),) * 2 if log_path else (self.output(rank, "o"), self.output(rank, "e"))
+                # not daemonic: a rank may start processes of its own (inductor's compile workers, DCP's async
+                # saver); kill() stops them too
+                self.procs.append(ctx.Process(target=_rank, args=(module, self.args, rank, nproc, port, outputs,
+                                                                  self.dir, environ)))
+                self.procs[-1].start()
+        except BaseException:
+            self.kill()
+            raise
+
+    def output(self, rank: int, kind: str) -> str:
+        """The file of rank's stdout (kind 'o') or stderr ('e') when the ranks have no log_path."""
+        return os.path.join(self.dir, f"rank{rank}.{kind}")
+
+    def failure(self, rank: int, what: str) -> str:
+        """'<module>'s rank <rank> of N forked <what>', and the tail of that rank's output."""
+        tail = (_read(self.output(rank, "o"))[-1000:] + _read(self.output(rank, "e"))[-3000:]
+                or "(no output: it ended before its output was redirected, to the xdist worker's stderr)")
+        return f"{self.module}'s rank {rank} of {len(self.procs)} forked {what} (its output in {self.dir}):\n{tail}"
 
     def poll(self) -> int | None:
         """None while a rank runs, then the exit status (0 when every rank exited 0, else 1)."""
         codes = [p.exitcode for p in self.procs]
-        if self._failed_at is None and any(c not in (None, 0) for c in codes):
+        if self.failed is None and any(c not in (None, 0) for c in codes):
+            self.failed = next(r for r, c in enumerate(codes) if c not in (None, 0))
             self._failed_at = time.time()
             for p in self.procs:
                 if p.exitcode is None:
@@ -120,17 +140,52 @@ class Ranks:
         return self.returncode
 
     def kill(self) -> None:
-        """SIGKILL every rank still running, as a node failure would; returns once they are gone (reaped)."""
+        """SIGKILL every rank still running and what it started, as a node failure would; returns once the ranks
+        are gone (reaped)."""
         for p in self.procs:
-            if p.exitcode is None:
-                p.kill()
+            if p.exitcode is None and p.pid is not None:
+                for pid in [p.pid, *descendants(p.pid)]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
         for p in self.procs:
-            p.join()
+            if p.pid is not None:
+                p.join()
+        _LIVE.discard(self)
+        if self.log_path:  # self.dir holds only the error files
+            shutil.rmtree(self.dir, ignore_errors=True)
         self.poll()
 
 
 GRACE_S = 30
 """How long ranks have after SIGTERM before SIGKILL, once a peer failed (torchrun's agent's default)."""
+
+_LIVE: set[Ranks] = set()
+"""Ranks not yet killed: killed at this process's exit, whose multiprocessing would otherwise wait for them."""
+
+
+@atexit.register  # after multiprocessing's own exit handler was registered (at its import): runs before it
+def _kill_live() -> None:
+    for ranks in list(_LIVE):
+        ranks.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under pid (read from /proc; torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _start_server() -> None:
@@ -151,22 +206,18 @@ def _read(path: str) -> str:
         return ""
 
 
-def _failure(ranks: Ranks, rank: int, what: str, logs: str) -> str:
-    tail = (_read(os.path.join(logs, f"rank{rank}.o"))[-1000:] + _read(os.path.join(logs, f"rank{rank}.e"))[-3000:]
-            or "(no output: see the test's captured stderr)")
-    return f"{ranks.module}'s rank {rank} of {len(ranks.procs)} forked {what} (its output in {logs}):\n{tail}"
-
-
-def _rank(module: str, argv: list[str], rank: int, world: int, port: int, outputs: tuple[str, str],
+def _rank(module: str, argv: list[str], rank: int, world: int, port: int, outputs: tuple[str, str], scratch: str,
           environ: dict) -> None:
-    """One rank, in the forked process: the environment environ with torchrun's variables, stdout and stderr appended
-    to the files of outputs, then the module's main(); its return value is the exit status."""
+    """One rank, in the forked process: the environment environ with torchrun's variables and an elastic error file
+    in scratch, stdout and stderr appended to the files of outputs, then the module's main(); its return value is
+    the exit status."""
     for fd, path in zip((1, 2), outputs):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
     os.environ.clear()
     os.environ.update({k: v for k, v in environ.items() if not k.startswith("TORCHELASTIC_")})
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_ERROR_FILE=os.path.join(scratch, f"error{rank}.json"))
     os.chdir(os.path.dirname(HERE))  # the checkout's root, where launch.torchrun starts its runs
     import torch
 

@@ -220,9 +220,9 @@ def test_the_first_command_search_prints_trains_with_the_planned_peak(world, tmp
     assert words[:3] == ["torchrun", "--standalone", f"--nproc_per_node={world}"], words
     run_dir = str(tmp_path / "run")
     # the printed command's script and arguments on the ranks torchrun would start (forked: launch.run)
-    out = run(world, words[3], *words[4:], "--run_dir", run_dir, "--train.steps", "3", "--train.log_interval",
-                   "1", "--train.val_interval", "0", "--checkpoint.interval", "1000", "--train.track_memory", "true",
-                   timeout=300).stdout
+    out = run(world, words[3], *words[4:], "--run_dir", run_dir, "--train.steps", "3", "--train.log_interval", "1",
+              "--train.val_interval", "0", "--checkpoint.interval", "1000", "--train.track_memory", "true",
+              timeout=300).stdout
     records = [r for r in metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
     want = max(planned(words[6:], world, rank).peak_bytes for rank in range(world))

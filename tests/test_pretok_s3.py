@@ -173,8 +173,8 @@ def test_a_run_from_the_bucket_gives_the_local_runs_losses(s3, tmp_path):
     for name, spec in (("local", tmp_path / "meg" / "*_text_document"), ("s3", "s3://tests/run/*_text_document")):
         runs[name] = tmp_path / name
         run(2, "train_fsdp.py", *_run_args(runs[name], "--data.format", "megatron", "--data.dataset", spec,
-                                                "--data.tokenizer", cache / "data" / "tokenizer.json",
-                                                *REFERENCE_BATCH), env=s3)
+                                           "--data.tokenizer", cache / "data" / "tokenizer.json",
+                                           *REFERENCE_BATCH), env=s3)
     record = data.read_meta(str(runs["s3"] / "data"))["sources"]["default"]
     assert [p for p, _, _ in record["shards"]] == [f"s3://tests/run/part{i}_text_document.bin" for i in range(2)]
     assert len(losses(runs["s3"])) == 3 and losses(runs["s3"]) == losses(runs["local"])

@@ -413,7 +413,7 @@ def test_raw_text_and_the_same_tokens_as_megatron_and_datatrove_train_alike(tmp_
     for fmt, spec in (("megatron", "corpus_text_document"), ("datatrove", "c.ds")):
         rd = tmp_path / fmt
         run(2, "train_fsdp.py", *_run_args(rd, "--data.format", fmt, "--data.dataset", tmp_path / spec,
-                                                "--data.tokenizer", raw / "data" / "tokenizer.json"))
+                                           "--data.tokenizer", raw / "data" / "tokenizer.json"))
         assert losses(rd) == losses(raw)
         assert not os.path.isdir(rd / "data" / "sources") or not os.listdir(rd / "data" / "sources")  # no copy
 

@@ -1,12 +1,13 @@
-"""End-to-end training under torchrun on CPU/gloo: gradient accumulation on 2 ranks vs one big batch
-on one (train_fsdp.main in the test's process), the metrics a run must log, an odd-sized corpus over 2 ranks."""
+"""End-to-end training on ranks as torchrun starts them (forked: launch.run), CPU/gloo: gradient accumulation on 2
+ranks vs one big batch on one (train_fsdp.main in the test's process), the metrics a run must log, an odd-sized
+corpus over 2 ranks."""
 import math
 
 import pytest
 
 from launch import debug_run, debug_run_in_process, losses, metrics, prepared_data_dir
 
-pytestmark = pytest.mark.slow  # every test here trains under torchrun
+pytestmark = pytest.mark.slow  # every test here trains on ranks or for seconds
 
 FAST = ["--train.steps", "4", "--checkpoint.interval", "1000", "--train.val_interval", "0"]
 
