@@ -20,7 +20,7 @@ import torch
 import prepare
 from config import parse_config
 from parallel import distributed
-from ranks import Ranks, descendants, fork_ranks
+from ranks import Ranks, alive, descendants, fork_ranks, kill_tree  # noqa: F401 (the tests import them from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEBUG = os.path.join(ROOT, "configs", "debug.toml")
@@ -91,21 +91,6 @@ def spawn(cmd: list[str], log_path, env: dict | None = None) -> subprocess.Popen
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def kill_tree(pid: int, timeout: float = 30) -> None:
-    """SIGKILL pid and every process under it, as a node failure would (killpg would miss the workers); return once
-    they are gone (or zombies), so that a run started next, in the test's own process too, finds the run directory's
-    lock released. The caller still reaps pid (its Popen's wait)."""
-    procs = [pid, *descendants(pid)]
-    for p in procs:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.time() + timeout
-    while any(alive(p) for p in procs) and time.time() < deadline:
-        time.sleep(0.01)
-
-
 def wait_until_unlocked(run_dir, timeout: float = 60) -> None:
     """Block until no process holds run_dir's lock (storage.rundir.lock_run_dir): a worker of a killed launch can
     outlive kill_tree's look at the process tree (one its agent was still starting, which dies with its agent only
@@ -136,15 +121,6 @@ def workers(agent_pid: int) -> dict[int, int]:
         if b"TORCHELASTIC_RESTART_COUNT" in env and b"RANK" in env:
             found[int(env[b"RANK"])] = pid
     return found
-
-
-def alive(pid: int) -> bool:
-    """Whether pid runs (a zombie, dead but not yet reaped by its parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for_step(run_dir, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:

@@ -108,10 +108,16 @@ class Ranks:
         return os.path.join(self.dir, f"rank{rank}.{kind}")
 
     def failure(self, rank: int, what: str) -> str:
-        """'<module>'s rank <rank> of N forked <what>', and the tail of that rank's output."""
-        tail = (_read(self.output(rank, "o"))[-1000:] + _read(self.output(rank, "e"))[-3000:]
-                or "(no output: it ended before its output was redirected, to the xdist worker's stderr)")
-        return f"{self.module}'s rank {rank} of {len(self.procs)} forked {what} (its output in {self.dir}):\n{tail}"
+        """'<module>'s rank <rank> of N forked <what>', and the tail of that rank's output; of rank 0's where it has
+        none (the trainer reports on rank 0, and a peer may fail first, silently)."""
+        def tail(r: int) -> str:
+            return _read(self.output(r, "o"))[-1000:] + _read(self.output(r, "e"))[-3000:]
+
+        text = tail(rank)
+        if not text and rank != 0 and tail(0):
+            text = f"(none of its own; rank 0's:)\n{tail(0)}"
+        return (f"{self.module}'s rank {rank} of {len(self.procs)} forked {what} (its output in {self.dir}):\n"
+                f"{text or '(no output)'}")
 
     def poll(self) -> int | None:
         """None while a rank runs, then the exit status (0 when every rank exited 0, else 1)."""
@@ -144,11 +150,7 @@ class Ranks:
         are gone (reaped)."""
         for p in self.procs:
             if p.exitcode is None and p.pid is not None:
-                for pid in [p.pid, *descendants(p.pid)]:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                kill_tree(p.pid)
         for p in self.procs:
             if p.pid is not None:
                 p.join()
@@ -188,6 +190,30 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def kill_tree(pid: int, timeout: float = 30) -> None:
+    """SIGKILL pid and every process under it, as a node failure would (killpg would miss the workers); return once
+    they are gone (or zombies), so that a run started next, in the test's own process too, finds the run directory's
+    lock released. The caller still reaps pid (its Popen's wait, its Process's join)."""
+    procs = [pid, *descendants(pid)]
+    for p in procs:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + timeout
+    while any(alive(p) for p in procs) and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _start_server() -> None:
     """Start this process's forkserver with WORKERS imported, once. Python 3.11's forkserver imports its preload
     without the parent's sys.path (it passes it, then ignores it): the server alone is started with tests/ and the
@@ -206,8 +232,8 @@ def _read(path: str) -> str:
         return ""
 
 
-def _rank(module: str, argv: list[str], rank: int, world: int, port: int, outputs: tuple[str, str], scratch: str,
-          environ: dict) -> None:
+def _rank(module: str, argv: list[str], rank: int, world: int, port: int, outputs: tuple[str, str],
+          scratch: str, environ: dict) -> None:
     """One rank, in the forked process: the environment environ with torchrun's variables and an elastic error file
     in scratch, stdout and stderr appended to the files of outputs, then the module's main(); its return value is
     the exit status."""

@@ -13,14 +13,11 @@ from data_pipeline import filesplit  # noqa: E402
 
 
 def main() -> int:
-    """prepare.main of sys.argv[3:] with filesplit.UNIT_BYTES = int(sys.argv[2]); returns its exit status, and raises
-    SystemExit with it when it is not 0 (a forked rank's only exit status: tests/ranks.py)."""
+    """prepare.main of sys.argv[3:] with filesplit.UNIT_BYTES = int(sys.argv[2]); returns its exit status (a forked
+    rank exits with it: tests/ranks.py)."""
     assert sys.argv[1] == "--unit_bytes", "usage: small_units_prepare.py --unit_bytes N prepare-arguments..."
     filesplit.UNIT_BYTES = int(sys.argv[2])
-    status = prepare.main(sys.argv[3:])
-    if status:
-        raise SystemExit(status)
-    return status
+    return prepare.main(sys.argv[3:])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """prepare.py's command writes the same bytes at 1, 2 and 4 ranks (forked: tests/ranks.py): every file of the data
 folder (tokenizer, meta.json, each source's stream and, with --data.prepared_format megatron, its .idx), for a mixture
-of a jsonl and a txt source cut into many work units, so that every rank tokenizes some of them. (tests/test_data.py compares the
-stream alone, at 3 ranks in threads and at 2 under torchrun.)"""
+of a jsonl and a txt source cut into many work units, so that every rank tokenizes some of them.
+(tests/test_data.py compares the stream alone, at 3 ranks in threads and at 2 under torchrun.)"""
 from __future__ import annotations
 
 import json
