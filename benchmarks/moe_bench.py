@@ -14,15 +14,17 @@ command in the same run dir) instead of training them again. Every
 process runs with OMP_NUM_THREADS=1, and each section prints the command it ran:
 
 - tokens to loss (--shape): "small" (dim 64, 2 layers, ffn_dim 256, a 1,024-token vocabulary,
-  1,500 steps: about 16 tokens per parameter besides the input embedding) or "debug" (the debug
+  1,500 steps: about 16 tokens per parameter besides the input embedding), "wide" (dim 256, 4 layers,
+  ffn_dim 768, 1,000 steps: 0.46 tokens per parameter) or "debug" (the debug
   config, 150 steps: 0.23 tokens per parameter besides the input embedding, where a model of more
   parameters has little to gain). One process per run
   (torchrun --nproc_per_node=1 train_fsdp.py), the same seed and data order, validation every
   --val_interval steps, --jobs runs at a time; on two corpora: the debug config's (the Python
   standard library) and prose that is not code (--prose, default Vim's help files, the English
   manual every Debian Vim install carries). Each MoE trains the full --steps and also at each of
-  --fractions of them, every run with the whole schedule annealed at its own end, as the dense
-  reference is. The score is the tokens at which these annealed MoE runs reach the dense run's
+  --fractions of them (only a MoE whose full run reaches the dense final val_loss: a shorter run
+  has always ended above its full run here), every run with the whole schedule annealed at its own
+  end, as the dense reference is. The score is the tokens at which these annealed MoE runs reach the dense run's
   final val_loss (linear between their final losses; "<=" when the shortest run already does)
   over the dense run's tokens (goal <= 0.7); beside it, the same read off the full MoE run's
   validation curve (mid-schedule, where the cosine has already taken the LR most of the way down;
@@ -67,13 +69,18 @@ LOAD_GOAL = 1.3
 # debug config as is (1.31M parameters besides the input embedding, 150 steps: 0.23 tokens per parameter, so
 # limited by its steps, not its size). "small" is past that regime: 197k parameters besides the input embedding over 1,500
 # steps (3.1M tokens, about 16 per parameter, one pass over the prose corpus), where more parameters at
-# the same compute can pay.
+# the same compute can pay. "wide" (dim 256, 4 layers) is issue 54's wider shape: 4.46M parameters besides the input
+# embedding over 1,000 steps (2.05M tokens, 0.46 per parameter), back in the regime where tokens, not parameters, limit.
 SHAPES = {
     "debug": ([], 384, 150, 10),
     "small": (["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "4",
                "--model.ffn_dim", "256", "--model.vocab_size", "1024", "--data.tokenizer_vocab_size", "1024",
                "--data.max_documents", "0", "--optim.warmup_steps", "100", "--train.val_batches", "16"],
               256, 1500, 100),
+    "wide": (["--model.dim", "256", "--model.n_layers", "4", "--model.n_heads", "4", "--model.n_kv_heads", "4",
+              "--model.ffn_dim", "768", "--data.max_documents", "0", "--optim.warmup_steps", "100",
+              "--train.val_batches", "16"],
+             768, 1000, 100),
 }
 
 
@@ -220,8 +227,8 @@ def run_all(jobs: int, tasks: dict) -> dict:
 
 
 def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[list[str], dict]:
-    """Dense against each MoE arm on each corpus: each model's full-length run (its val curve) and the MoEs' runs at
-    --fractions of the steps, each with the whole schedule (warmup, then the cosine to its own end), so that the
+    """Dense against each MoE arm on each corpus: each model's full-length run (its val curve) and, for each MoE whose
+    full run reaches the dense final val_loss, its runs at --fractions of the steps, each with the whole schedule (warmup, then the cosine to its own end), so that the
     MoE's loss at fewer tokens is an annealed run's, as the dense reference is. With several --lrs, every model
     trains the full run at each LR on the first corpus, and keeps the one of lowest final val_loss for its fraction
     runs and for the other corpora (going up the LRs, it stops after the first LR that ends above the one before).
@@ -268,8 +275,15 @@ def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[lis
     for corpus in others:  # the other corpora's dense runs tokenize them, at dense's best LR
         tokenizer_lr[corpus] = best[DENSE]
         runs |= run_all(args.jobs, {(corpus, DENSE, best[DENSE], 1.0): (one, corpus, DENSE, best[DENSE], 1.0)})
-    runs |= run_all(args.jobs, {(c, arm, best[arm], f): (one, c, arm, best[arm], f) for c in corpora for arm in arms
-                                for f in [1.0, *args.fractions] if arm.e and (c, arm, best[arm], f) not in runs})
+    runs |= run_all(args.jobs, {(c, arm, best[arm], 1.0): (one, c, arm, best[arm], 1.0) for c in corpora for arm in arms
+                                if arm.e and (c, arm, best[arm], 1.0) not in runs})
+    # Shorter runs annealed at their own end have always ended above their full run's final loss here (every shape
+    # and corpus): for a MoE whose full run ends above dense's, they could not reach it and are not trained.
+    target = {c: curves(runs[(c, DENSE, best[DENSE], 1.0)][0])[1][-1][1] for c in corpora}
+    reached = [(c, arm) for c in corpora for arm in arms
+               if arm.e and curves(runs[(c, arm, best[arm], 1.0)][0])[1][-1][1] <= target[c]]
+    runs |= run_all(args.jobs, {(c, arm, best[arm], f): (one, c, arm, best[arm], f) for c, arm in reached
+                                for f in args.fractions if (c, arm, best[arm], f) not in runs})
 
     if len(args.lrs) > 1:
         lines += [f"### The LR sweep: {corpora[sweep][0]}", "",
@@ -292,7 +306,7 @@ def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[lis
             tr, val = curves(records)
             out[arm] = {"train": tr, "val": val, "seconds": seconds, "cmd": cmd, "lr": base_lr * best[arm],
                         "fractions": {f: curves(runs[(corpus, arm, best[arm], f)][0])[1][-1]
-                                      for f in args.fractions} if arm.e else {}}
+                                      for f in args.fractions if (corpus, arm, best[arm], f) in runs}}
         dense_tokens, target = out[DENSE]["val"][-1]
         fr = ", ".join(f"{f:g}" for f in args.fractions)
         lines += [f"### {title}", "", "```", out[DENSE]["cmd"], "# each MoE: the same command (with --optim.lr its "
@@ -384,7 +398,7 @@ def step_time_section(args, log) -> tuple[list[str], dict]:
     v = res["variants"]
     dense = v["ours"]["step_s_all"]
     lines = ["```", "OMP_NUM_THREADS=1 python " + show(cmd), "```", "",
-             "| model | step s, median (min-max) | tokens/s | time per token vs dense, median of paired steps (goal <= 1.3) | cpu busy |",
+             "| model | step s, median (min-max) | tokens/s | time per token vs dense, median of paired steps (goal <= 1.2) | cpu busy |",
              "|---|---|---|---|---|"]
     out = {}
     for name, r in v.items():
@@ -481,7 +495,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="results markdown to write")
     p.add_argument("--shape", choices=sorted(SHAPES), default="small",
-                   help="the tokens-to-loss model: small (dim 64, 2 layers, 1,500 steps) or debug (the debug config)")
+                   help="the tokens-to-loss model: small (dim 64, 2 layers, 1,500 steps), wide (dim 256, 4 layers, "
+                   "1,000 steps) or debug (the debug config)")
     p.add_argument("--steps", type=int, default=None, help="training steps of the full tokens-to-loss runs "
                    "(default: the shape's)")
     p.add_argument("--val_interval", type=int, default=None, help="default: the shape's")
