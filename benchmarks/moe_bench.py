@@ -24,8 +24,8 @@ process runs with OMP_NUM_THREADS=1, and each section prints the command it ran:
   manual every Debian Vim install carries). Each MoE trains the full --steps and also at each of
   --fractions of them (only a MoE whose full run reaches the dense final val_loss: a shorter run
   has always ended above its full run here), every run with the whole schedule annealed at its own
-  end, as the dense reference is. The score is the tokens at which these annealed MoE runs reach the dense run's
-  final val_loss (linear between their final losses; "<=" when the shortest run already does)
+  end, as the dense reference is. The score is the tokens at which these annealed MoE runs reach
+  the dense run's final val_loss (linear between their final losses; "<=" when the shortest run already does)
   over the dense run's tokens (goal <= 0.7); beside it, the same read off the full MoE run's
   validation curve (mid-schedule, where the cosine has already taken the LR most of the way down;
   on the small shape it reads 0.05-0.08 lower than the annealed runs);
@@ -228,8 +228,9 @@ def run_all(jobs: int, tasks: dict) -> dict:
 
 def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[list[str], dict]:
     """Dense against each MoE arm on each corpus: each model's full-length run (its val curve) and, for each MoE whose
-    full run reaches the dense final val_loss, its runs at --fractions of the steps, each with the whole schedule (warmup, then the cosine to its own end), so that the
-    MoE's loss at fewer tokens is an annealed run's, as the dense reference is. With several --lrs, every model
+    full run reaches the dense final val_loss, its runs at --fractions of the steps, each with the whole schedule
+    (warmup, then the cosine to its own end), so that the MoE's loss at fewer tokens is an annealed run's, as the
+    dense reference is. With several --lrs, every model
     trains the full run at each LR on the first corpus, and keeps the one of lowest final val_loss for its fraction
     runs and for the other corpora (going up the LRs, it stops after the first LR that ends above the one before).
     Runs --jobs at a time."""
