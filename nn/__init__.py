@@ -2,7 +2,8 @@
 how init, LRs and multipliers scale with width and depth: sp, mup, completep (parametrization.py);
 the mixture-of-experts feed-forward: router, top-k dropless routing, grouped experts, balancing (moe.py),
 its fields of model.ModelArgs with their checks (moe_args.py), and the experts' grouped matmul, a kernel where
-torch runs one and the loop as reference (grouped_mm.py); what each parameter is for, declared by
+torch runs one and the loop as reference (grouped_mm.py), and the row gathers that sort its tokens by expert and back
+(rows.py); what each parameter is for, declared by
 its module and read by init, mup, Muon, float8 and export (roles.py); packed windows' documents, positions
 and attention masks (documents.py).
 

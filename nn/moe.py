@@ -24,8 +24,9 @@ The routed experts are 3-D parameters: w1, w3 (n_experts, expert_ffn_dim, dim), 
 (n_experts, dim, expert_ffn_dim). Tokens are sorted by expert and each projection is one
 grouped matmul (nn/grouped_mm.py: torch._grouped_mm on CPU in fp32, bf16, fp16 and on CUDA in bf16;
 a loop over the experts, the same math, where the kernel does not run). Sorting and unsorting
-are index ops on the device and the counts a scatter-add: no host sync there.
-Layer 1: imports torch, nn/grouped_mm.py and nn/roles.py only; no distributed code.
+are gathers on the device whose gradients are gathers too (nn/rows.py), and the counts a scatter-add:
+no host sync there, and the same bits on every run.
+Layer 1: imports torch, nn/grouped_mm.py, nn/roles.py and nn/rows.py only; no distributed code.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 
 from nn.grouped_mm import grouped_mm
 from nn.roles import Role
+from nn.rows import gather_rows, inverse_permutation
 
 SCORES = ("softmax", "sigmoid")
 
@@ -148,10 +150,10 @@ class MoE(nn.Module):
         choice = ids.flatten()  # (tokens * k): token t's j-th expert at t * k + j
         counts = expert_counts(choice, self.n_experts)
         order = torch.argsort(choice, stable=True)
-        routed = self.experts(flat[order // self.top_k], counts)  # (tokens * k, dim), sorted by expert
-        out = torch.empty_like(routed)
-        out[order] = routed  # back to (token, j) order: a deterministic sum below, no scatter-add
-        y = (out.view(-1, self.top_k, dim) * weights.unsqueeze(-1).to(out.dtype)).sum(1)
+        inverse = inverse_permutation(order)
+        routed = self.experts(gather_rows(flat, order // self.top_k, inverse), counts)  # (tokens * k, dim), by expert
+        out = gather_rows(routed, inverse, order).view(-1, self.top_k, dim)  # back to (token, j): no scatter-add
+        y = torch.bmm(weights.unsqueeze(1).to(out.dtype), out).squeeze(1)  # (tokens, 1, k) @ (tokens, k, dim)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         self.counts = counts.detach()

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nn.moe import moe_layers, swiglu_experts
+from nn.rows import gather_rows, inverse_permutation
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -76,10 +77,9 @@ def ep_forward(experts: nn.Module, x: Tensor, counts: Tensor, *, ep: int, group,
     order = _expert_major(recv_counts)
     weights = [_ScaleGrad.apply(w.to_local() if isinstance(w, DTensor) else w, grad_scale)
                for w in (experts.w1, experts.w2, experts.w3)]
-    out = swiglu_experts(rows[order], recv_counts.sum(0), *weights)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    return funcol.all_to_all_single_autograd(out[back], send, recv, group)
+    back = inverse_permutation(order)
+    out = swiglu_experts(gather_rows(rows, order, back), recv_counts.sum(0), *weights)
+    return funcol.all_to_all_single_autograd(gather_rows(out, back, order), send, recv, group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, tp_in_ep: int = 1) -> None:
