@@ -33,7 +33,7 @@ def test_gather_rows_equals_indexing_forward_and_gradient(rows, k):
 
 
 def test_the_gradient_is_the_same_bits_on_every_run_with_2_threads():
-    # x[index]'s backward (index_put_ with accumulate) gave other bits on each of 10 runs here (2 threads, this shape)
+    # x[index]'s backward (index_put_ with accumulate) put in place of gather_rows fails this here (2 threads)
     gen = torch.Generator().manual_seed(0)
     rows, k = 2048, 7
     x = torch.randn(rows, 64, generator=gen)
