@@ -176,6 +176,11 @@ def curves(records: list[dict]) -> tuple[dict[int, dict], list[tuple[float, floa
     return tr, val
 
 
+def final_loss(records: list[dict]) -> float:
+    """A run's last val_loss (its final one: every run validates at its last step)."""
+    return curves(records)[1][-1][1]
+
+
 def tokens_to_reach(val: list[tuple[float, float]], target: float) -> float | None:
     """Tokens at which the val curve first reaches target, linear between its points (from (0, +inf)); None if never."""
     prev = None
@@ -251,7 +256,7 @@ def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[lis
         data = None if (arm, frac) == (DENSE, 1.0) and lr == tokenizer_lr[corpus] else \
             os.path.join(args.workdir, f"{corpus}_dense" + (f"_lr{tokenizer_lr[corpus]:g}" if len(args.lrs) > 1 else ""), "data")
         records, seconds, cmd = train(run_dir, extra, data, run_dir + ".log", args.reuse)
-        print(f"[moe_bench] {corpus} {name}: final val_loss {curves(records)[1][-1][1]:.4f}, {seconds:.0f} s", flush=True)
+        print(f"[moe_bench] {corpus} {name}: final val_loss {final_loss(records):.4f}, {seconds:.0f} s", flush=True)
         return records, seconds, cmd
 
     sweep, *others = corpora
@@ -264,7 +269,7 @@ def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[lis
         out, last = {}, None
         for lr in args.lrs:
             out[lr] = runs.get((sweep, arm, lr, 1.0)) or one(sweep, arm, lr, 1.0)
-            loss = curves(out[lr][0])[1][-1][1]
+            loss = final_loss(out[lr][0])
             if last is not None and loss > last:
                 break
             last = loss
@@ -272,7 +277,7 @@ def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[lis
 
     swept = run_all(args.jobs, {arm: (sweep_lrs, arm) for arm in arms})
     runs |= {(sweep, arm, lr, 1.0): r for arm, by_lr in swept.items() for lr, r in by_lr.items()}
-    best = {arm: min(by_lr, key=lambda lr: curves(by_lr[lr][0])[1][-1][1]) for arm, by_lr in swept.items()}
+    best = {arm: min(by_lr, key=lambda lr: final_loss(by_lr[lr][0])) for arm, by_lr in swept.items()}
     for corpus in others:  # the other corpora's dense runs tokenize them, at dense's best LR
         tokenizer_lr[corpus] = best[DENSE]
         runs |= run_all(args.jobs, {(corpus, DENSE, best[DENSE], 1.0): (one, corpus, DENSE, best[DENSE], 1.0)})
@@ -280,9 +285,9 @@ def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[lis
                                 if arm.e and (c, arm, best[arm], 1.0) not in runs})
     # Shorter runs annealed at their own end have always ended above their full run's final loss here (every shape
     # and corpus): for a MoE whose full run ends above dense's, they could not reach it and are not trained.
-    target = {c: curves(runs[(c, DENSE, best[DENSE], 1.0)][0])[1][-1][1] for c in corpora}
+    target = {c: final_loss(runs[(c, DENSE, best[DENSE], 1.0)][0]) for c in corpora}
     reached = [(c, arm) for c in corpora for arm in arms
-               if arm.e and curves(runs[(c, arm, best[arm], 1.0)][0])[1][-1][1] <= target[c]]
+               if arm.e and final_loss(runs[(c, arm, best[arm], 1.0)][0]) <= target[c]]
     runs |= run_all(args.jobs, {(c, arm, best[arm], f): (one, c, arm, best[arm], f) for c, arm in reached
                                 for f in args.fractions if (c, arm, best[arm], f) not in runs})
 
@@ -294,7 +299,7 @@ def tokens_section(args, corpora: dict[str, tuple[str, list[str]]]) -> tuple[lis
                   "| model | " + " | ".join(f"lr {base_lr * lr:g} (x{lr:g})" for lr in args.lrs) + " |",
                   "|---|" + "---|" * len(args.lrs)]
         for arm in arms:
-            cells = [f"{curves(runs[(sweep, arm, lr, 1.0)][0])[1][-1][1]:.4f}" if lr in swept[arm] else "-"
+            cells = [f"{final_loss(runs[(sweep, arm, lr, 1.0)][0]):.4f}" if lr in swept[arm] else "-"
                      for lr in args.lrs]
             cells = [f"**{c}**" if lr == best[arm] else c for c, lr in zip(cells, args.lrs)]
             lines.append(f"| {arm.label(ffn)} | " + " | ".join(cells) + " |")
