@@ -25,7 +25,8 @@ def gather_rows(x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
     inverse (rows * r,) int64 says where those copies went: the output's row inverse[i * r + j] is
     row i's j-th copy. The gradient of row i is the sum over j in order of the incoming gradient at
     those rows. When index = order // r with order a permutation of rows * r, inverse is
-    inverse_permutation(order). Shapes are not checked (a wrong inverse gives a wrong gradient).
+    inverse_permutation(order). Shapes are not checked (a wrong inverse gives a wrong gradient); an index out of
+    range raises torch's IndexError or RuntimeError, as index_select does.
     """
     return _GatherRows.apply(x, index, inverse)
 
