@@ -21,6 +21,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 
 from core.errors import SetupError, UserError
+from core.host_memory import keep_freed_blocks
 
 STARTUP_TIMEOUT = datetime.timedelta(minutes=30)
 """Timeout of every collective until the loop's first step is done (loading, compiling); then
@@ -107,7 +108,8 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
     """Join the process group from torchrun's environment; returns (rank, world size, device).
 
     device: train.device. A plain `python` run (no MASTER_PORT) takes a free port, so two
-    runs on one machine never clash on torchrun's default 29500.
+    runs on one machine never clash on torchrun's default 29500. On CPU the process keeps the
+    blocks a step frees for the next one (core/host_memory.py).
     """
     rank = int(os.environ.get("RANK", 0))
     world = world_size()
@@ -120,6 +122,7 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
+        keep_freed_blocks()
     dist.init_process_group(backend=backend, store=_attempt_store(world), rank=rank, world_size=world,
                             timeout=STARTUP_TIMEOUT)
     return rank, world, dev

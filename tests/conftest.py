@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from core.host_memory import keep_freed_blocks  # noqa: E402
 from launch import (  # noqa: E402
     DEBUG,
     GRAD_ARGS,
@@ -41,6 +42,7 @@ from s3server import start_server  # noqa: E402
 quiet_torchao_logs()  # tests import transformers, whose LlamaForCausalLM imports torchao
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+keep_freed_blocks()  # the in-process steps keep their blocks, as a CPU rank does (init_distributed)
 
 
 class GradRuns:
