@@ -47,8 +47,11 @@ def faults_per_step(mode: str) -> int:
     return int(out.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux) only")
 def test_a_cpu_rank_takes_no_fresh_pages_after_its_first_steps():
-    plain, rank = faults_per_step("plain"), faults_per_step("rank")
-    assert plain > 5_000, f"the reference took {plain} page faults a step: this test no longer measures anything"
+    plain = faults_per_step("plain")
+    if plain < 5_000:  # transparent huge pages always on (or glibc asked for them): few faults to remove
+        pytest.skip(f"glibc's defaults took only {plain} page faults a step here: nothing to measure")
+    rank = faults_per_step("rank")
     assert rank < 100, f"a CPU rank took {rank} page faults a step (the plain process {plain})"
