@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.project import ROOT
+from project import ROOT
 
 STEPS = """
 import resource, sys, torch
