@@ -311,8 +311,13 @@ def test_fsdp_2_ranks_with_the_float8_all_gather_match_1_rank(worker):
 # Float8 MoE at ep 2: against FSDP 2 (ep 1), whose ranks see the same data and scale their activations alike, only
 # the routed experts' place differs (fp32 both ways): the project's parity bound. Against 1 rank, float8's own noise
 # between layouts (above; routing follows it where a top-k choice is a near-tie): LAYOUT_LOSS_RTOL.
-# Measured over GRAD_STEPS (3) steps: ep 2 equal to FSDP 2, and 1.3e-4 from 1 rank (docs/float8.md).
+# Measured over GRAD_STEPS (3) steps: ep 2 equal to FSDP 2, and 1.3e-4 from 1 rank (docs/float8.md). On an AMD EPYC
+# ep 2 was 1.5e-5 from FSDP 2 and routed one token elsewhere at step 3: the experts' weight gradients sum their rows
+# in another order there, and float8's rounding can carry that across a near-tie. So the load records may differ by a
+# token or two, each 1 / 64 of an expert's mean load (128 tokens x top-2 / 4 experts); test_moe.py checks the records
+# of every layout to 1e-5 in fp32.
 EP_PARITY_RTOL = 1e-4
+ONE_TOKEN_LOAD = 4 / (128 * 2)
 
 
 def worst(a: dict, b: dict) -> float:
@@ -330,7 +335,8 @@ def test_float8_moe_at_ep_2_matches_fsdp_2_and_1_rank(worker):
           f"{worst(ep2, one):.2e} from 1 rank, over {len(one['losses'])} steps")
     assert worst(ep2, fsdp) <= EP_PARITY_RTOL, (ep2["losses"], fsdp["losses"])
     assert worst(ep2, one) <= LAYOUT_LOSS_RTOL, (ep2["losses"], one["losses"])
-    assert [r["moe_max_load"] for r in ep2["moe"]] == [r["moe_max_load"] for r in fsdp["moe"]]
+    loads = [(a["moe_max_load"], b["moe_max_load"]) for a, b in zip(ep2["moe"], fsdp["moe"])]
+    assert len(loads) == len(fsdp["losses"]) and all(abs(a - b) <= 2 * ONE_TOKEN_LOAD for a, b in loads), loads
 
 
 @pytest.mark.slow
